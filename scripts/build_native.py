@@ -1,0 +1,29 @@
+"""Rebuild native modules in place during development (pip install -e . does the same for users).
+
+Usage: python scripts/build_native.py [ring|kernels ...]   (default: every native/build_*.py)
+Each build script lives at native/build_<name>.py and defines ``ffibuilder``.
+"""
+
+import importlib.util
+import pathlib
+import shutil
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def build(name: str) -> pathlib.Path:
+    script = ROOT / "native" / f"build_{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_build_{name}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    built = pathlib.Path(module.ffibuilder.compile(tmpdir=str(ROOT / "build" / f"cffi_{name}")))
+    target = ROOT / "shm_engine" / built.name
+    shutil.copy2(built, target)
+    return target
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or [p.stem.removeprefix("build_") for p in (ROOT / "native").glob("build_*.py")]
+    for n in names:
+        print(build(n))
