@@ -1,0 +1,41 @@
+"""Engine configuration: what the scheduler, KV cache and model runner are sized by."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Sent to the engine process in the handshake, hence a msgspec Struct."""
+
+    model: str | None = None  # GGUF file or HF directory; None: the embedded SmolLM2
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes (tests)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's context length
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority"
+    num_threads: int = 0  # 0: every core this process may run on
+    dtype: str = "int8"  # "int8" (VNNI kernels) or "float32" (torch reference path)
+    log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
+        if self.dtype not in ("int8", "float32"):
+            raise ValueError(f"dtype must be 'int8' or 'float32', got {self.dtype!r}")
+
+    def resolved_threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))

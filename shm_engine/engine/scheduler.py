@@ -1,0 +1,320 @@
+"""Continuous-batching scheduler with vLLM v1 semantics.
+
+Each step has one token budget shared by decodes and (chunked) prefills. Running requests are
+served first, in order; when the KV cache is full the scheduler preempts (FCFS: the newest
+running request; priority: the lowest-priority one), frees its blocks and requeues it to be
+recomputed later. Waiting requests are admitted only in steps without preemption, reusing cached
+prefix blocks. ``schedule()`` advances ``num_computed_tokens`` at once, so a request whose sampled
+token is still in flight is not scheduled again before ``update_from_output`` appends it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.kv_cache_manager import KVCacheManager
+from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, SchedulerStats
+from shm_engine.engine.request import FINISH_REASON, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at position ``start`` go through the model."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+    samples: bool = False  # the chunk reaches the last known token, so a new one is sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # since the previous step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """What the model runner returns: one token per sampling chunk, in chunk order."""
+
+    token_ids: list[int]
+    logprobs: list[Logprobs | None] | None = None
+
+
+class _WaitingQueue:
+    """FCFS deque or priority heap behind one interface."""
+
+    def __init__(self, policy: str) -> None:
+        self.priority = policy == "priority"
+        self._items: list[Request] | deque[Request] = [] if self.priority else deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def peek(self) -> Request:
+        return self._items[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._items) if self.priority else self._items.popleft()
+
+    def add(self, req: Request) -> None:
+        if self.priority:
+            heapq.heappush(self._items, req)
+        else:
+            self._items.append(req)
+
+    def add_front(self, req: Request) -> None:
+        """A preempted request goes back ahead of newer ones."""
+        if self.priority:
+            heapq.heappush(self._items, req)
+        else:
+            self._items.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        self._items.remove(req)
+        if self.priority:
+            heapq.heapify(self._items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = _WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Raise ValueError if a prompt can never run: longer than the context or the whole cache."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context length is "
+                f"{self.max_model_len} (including at least one output token)"
+            )
+        capacity = self.kv.pool.num_blocks * self.config.block_size
+        if num_prompt_tokens + 1 > capacity:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens but the whole KV cache holds "
+                f"{capacity}; raise kv_cache_bytes"
+            )
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish the given requests at once and free their blocks; returns the ids that existed."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            done.append(rid)
+        return done
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        preempted = False
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk_size(req, req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self._pick_victim()
+                chunk = scheduled.pop(victim.request_id, None)
+                if chunk is not None:
+                    budget += chunk.num_tokens
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n, [])
+            budget -= n
+
+        while (
+            not preempted
+            and budget > 0
+            and len(self.waiting)
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting.peek()
+            prefix, num_cached = ([], 0)
+            if req.num_computed_tokens == 0:
+                prefix, num_cached = self.kv.find_cached_prefix(req)
+            remaining = req.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            n = self._chunk_size(req, remaining, budget)
+            req.num_computed_tokens = num_cached
+            if not self.kv.allocate(req, n, prefix):
+                req.num_computed_tokens = 0
+                break
+            self.waiting.pop()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.time()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledChunk(req, num_cached, n, [])
+            budget -= n
+
+        for chunk in scheduled.values():
+            req = chunk.request
+            chunk.block_ids = self.kv.block_ids(req)
+            req.num_computed_tokens += chunk.num_tokens
+            chunk.samples = req.num_computed_tokens == req.num_tokens
+            out.chunks.append(chunk)
+        self.step_count += 1
+        return out
+
+    def _chunk_size(self, req: Request, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            n = min(n, threshold)
+        return n
+
+    def _pick_victim(self) -> Request:
+        if self.waiting.priority:
+            victim = max(self.running)
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(req)
+
+    # ------------------------------------------------------------------ results
+
+    def update_from_output(self, sched: SchedulerOutput, sampled: SampledTokens) -> EngineCoreOutputs:
+        """Append sampled tokens, check stop conditions, free finished requests' blocks."""
+        outputs = EngineCoreOutputs(timestamp=time.time())
+        ids, counts, tokens = outputs.request_ids, outputs.num_new_tokens, outputs.new_token_ids
+        i = 0
+        for chunk in sched.chunks:
+            req = chunk.request
+            if req.is_finished or req.status != RequestStatus.RUNNING:
+                # Aborted (or preempted) while the step ran: its result is dropped.
+                if chunk.samples:
+                    i += 1
+                continue
+            self.kv.cache_computed(req)
+            if not chunk.samples:
+                continue
+            token = sampled.token_ids[i]
+            lp = sampled.logprobs[i] if sampled.logprobs else None
+            i += 1
+            req.all_token_ids.append(token)
+            row = len(ids)
+            ids.append(req.request_id)
+            counts.append(1)
+            tokens.append(token)
+            if req.num_output_tokens == 1:
+                outputs.num_cached_tokens[row] = req.num_cached_tokens
+            if lp is not None:
+                outputs.logprobs[row] = [lp]
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                outputs.finished[row] = FINISH_REASON[status]
+                if req.stop_reason is not None:
+                    outputs.stop_reasons[row] = req.stop_reason
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if n_out < params.min_tokens:
+            return None
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.pool.queries,
+            prefix_cache_hits=self.kv.pool.hits,
+            num_preemptions=self.num_preemptions,
+            step_count=self.step_count,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def dump_state(self) -> str:
+        """A readable snapshot for error reports."""
+        lines = [
+            f"step={self.step_count} running={len(self.running)} waiting={len(self.waiting)} "
+            f"free_blocks={self.kv.num_free_blocks}/{self.kv.pool.num_blocks}",
+        ]
+        lines += [f"  running: {r!r} blocks={self.kv.block_ids(r)}" for r in self.running]
+        lines += [f"  waiting: {r!r}" for r in self.waiting]
+        return "\n".join(lines)
