@@ -32,7 +32,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # NOTE: OrderedDict gives O(1) popleft for allocation and O(1) removal from the middle
         # when a cached block is touched again, which a deque cannot.
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached: dict[bytes, KVBlock] = {}
         self.hits = 0
         self.queries = 0

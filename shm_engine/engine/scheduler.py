@@ -237,7 +237,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: SampledTokens) -> EngineCoreOutputs:
+    def update_from_output(
+        self, sched: SchedulerOutput, sampled: SampledTokens
+    ) -> EngineCoreOutputs:
         """Append sampled tokens, check stop conditions, free finished requests' blocks."""
         outputs = EngineCoreOutputs(timestamp=time.time())
         ids, counts, tokens = outputs.request_ids, outputs.num_new_tokens, outputs.new_token_ids
