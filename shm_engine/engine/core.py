@@ -1,0 +1,204 @@
+"""EngineCore: the inner loop (schedule -> execute -> sample -> update), usable in-process.
+
+EngineCoreProc (core_proc.py) wraps it in a process with rings and IO threads; tests and embedders
+can drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shm_engine.engine.request import Request
+from shm_engine.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner=None, batch_queue_size: int = 1) -> None:
+        if runner is None:
+            from shm_engine.engine.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        self.max_model_len = runner.max_model_len
+        self.scheduler = Scheduler(config, runner.num_blocks, runner.max_model_len)
+        self._sleeping = False
+        self._profiler = None
+        self.step_time = 0.0  # seconds in the model, for stats
+        self.sched_time = 0.0  # seconds in schedule + update
+        self.batch_queue_size = batch_queue_size
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
+        self._executor = ThreadPoolExecutor(1, "model") if batch_queue_size > 1 else None
+
+    # ------------------------------------------------------------------ requests
+
+    def preprocess(self, msg: EngineCoreRequest) -> Request:
+        """Validate a client request and build the engine's Request; raises ValueError."""
+        rid = msg.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("request_id must be a non-empty string")
+        if rid in self.scheduler.requests:
+            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is running")
+        params = msg.sampling_params
+        params.validate()
+        ids = np.asarray(msg.prompt_token_ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError("prompt_token_ids must be a 1-D array of integers")
+        prompt = ids.tolist()
+        vocab = self.runner.vocab_size
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.scheduler.check_fits(len(prompt))
+        room = self.max_model_len - len(prompt)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return Request(
+            rid,
+            prompt,
+            params,
+            self.runner.eos_token_ids,
+            max_tokens,
+            arrival_time=msg.arrival_time or None,
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
+        )
+
+    def add_request(self, msg: EngineCoreRequest | Request) -> None:
+        req = msg if isinstance(msg, Request) else self.preprocess(msg)
+        if self._sleeping:
+            raise RuntimeError("the engine is sleeping; call wake_up() first")
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> EngineCoreOutputs | None:
+        """One synchronous step; None when there was nothing to run."""
+        if not self.scheduler.has_requests():
+            return None
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.runner.remove_requests(sched.finished_ids)
+        sampled = self._execute(sched) if not sched.empty else SampledTokens([])
+        t2 = time.perf_counter()
+        out = self.scheduler.update_from_output(sched, sampled)
+        self.sched_time += (t1 - t0) + (time.perf_counter() - t2)
+        self.step_time += t2 - t1
+        return out
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
+        """Overlap: schedule and submit step N+1 while step N runs in the model thread.
+
+        A decode request is not rescheduled before its previous token is known (the scheduler
+        advanced num_computed_tokens already), so the overlap helps when other work (new
+        prompts, prefill chunks) can fill the next batch. Returns None when nothing finished.
+        """
+        assert self._executor is not None
+        if self.scheduler.has_requests() and len(self.batch_queue) < self.batch_queue_size:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            self.sched_time += time.perf_counter() - t0
+            self.runner.remove_requests(sched.finished_ids)
+            if not sched.empty:
+                self.batch_queue.appendleft((self._executor.submit(self._execute, sched), sched))
+                if len(self.batch_queue) < self.batch_queue_size and not self.batch_queue[-1][0].done():
+                    return None
+        if not self.batch_queue:
+            return None
+        future, sched = self.batch_queue.pop()
+        t1 = time.perf_counter()
+        sampled = future.result()
+        self.step_time += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        out = self.scheduler.update_from_output(sched, sampled)
+        self.sched_time += time.perf_counter() - t2
+        return out
+
+    def _execute(self, sched: SchedulerOutput) -> SampledTokens:
+        with self._error_dump(sched):
+            return self.runner.execute(sched)
+
+    @contextmanager
+    def _error_dump(self, sched: SchedulerOutput):
+        try:
+            yield
+        except BaseException:
+            chunks = ", ".join(
+                f"{c.request.request_id}[{c.start}:{c.start + c.num_tokens}]" for c in sched.chunks
+            )
+            logger.error(
+                "model execution failed\nbatch: %d tokens: %s\nscheduler state:\n%s",
+                sched.num_tokens,
+                chunks,
+                self.scheduler.dump_state(),
+            )
+            raise
+
+    # ------------------------------------------------------------------ utilities (callable by name)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached prefixes; returns how many blocks were uncached."""
+        return self.scheduler.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache memory; only when idle (a running request would lose its KV)."""
+        if self.has_work():
+            raise RuntimeError("cannot sleep with requests in flight")
+        if not self._sleeping:
+            self.scheduler.reset_prefix_cache()
+            self.runner.release_kv_cache()
+            self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self.runner.allocate_kv_cache()
+            self._sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def profile(self, is_start: bool = True) -> str | None:
+        """Start or stop the torch profiler; stopping returns a table of the top ops."""
+        import torch.profiler
+
+        if is_start:
+            if self._profiler is None:
+                self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self._profiler.__enter__()
+            return None
+        if self._profiler is None:
+            raise RuntimeError("the profiler is not running")
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+
+    def execute_dummy_batch(self) -> None:
+        """Run one tiny forward outside the scheduler (warm-up, liveness check)."""
+        self.runner.execute_dummy()
+
+    def echo(self, value):
+        """Returns its argument; lets clients test the utility path."""
+        return value
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.runner.shutdown()

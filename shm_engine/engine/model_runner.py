@@ -1,0 +1,118 @@
+"""ModelRunner: turns a SchedulerOutput into one model forward plus sampling.
+
+It owns the model, the paged KV cache (sized from the configured byte budget) and the sampler's
+per-request state (seeded generators, penalties' history), keyed by request id and dropped when
+the scheduler reports a request finished.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.protocol import Logprobs
+from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
+from shm_engine.model.batch import BatchInputs
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(config: EngineConfig):
+    """Load weights and build the int8 (native kernels) or fp32 (torch) paged model."""
+    from shm_engine.model.loader import load_model
+
+    loaded = load_model(config.model)
+    if config.dtype == "int8":
+        from shm_engine.model.int8_model import Int8Llama
+
+        model = Int8Llama(loaded.config, loaded.weights, num_threads=config.resolved_threads())
+    else:
+        from shm_engine.model.torch_model import TorchLlama
+
+        model = TorchLlama(loaded.config, loaded.weights)
+    return loaded, model
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded=None, model=None) -> None:
+        self.config = config
+        torch.set_num_threads(config.resolved_threads())
+        if model is None:
+            loaded, model = build_model(config)
+        self.model = model
+        self.model_config = loaded.config
+        self.model_name = str(config.model or "SmolLM2-135M-Instruct")
+        self.vocab_size = loaded.config.vocab_size
+        self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids if loaded.tokenizer else ())
+        self.eos_token_ids = self.eos_token_ids or loaded.config.eos_token_ids
+        self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+        self.block_size = config.block_size
+        per_block = model.kv_bytes_per_block(self.block_size)
+        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.kv_caches = None
+        self.allocate_kv_cache()
+        from shm_engine.model.sampler import Sampler
+
+        self.sampler = Sampler()
+        self.sampler_states: dict[str, object] = {}
+        logger.info(
+            "model runner: %d KV blocks of %d tokens (%.0f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * per_block / 2**20,
+        )
+
+    # ------------------------------------------------------------------ KV cache memory
+
+    def allocate_kv_cache(self) -> None:
+        if self.kv_caches is None:
+            self.kv_caches = self.model.allocate_kv(self.num_blocks, self.block_size)
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = None
+
+    # ------------------------------------------------------------------ requests
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.sampler_states.pop(rid, None)
+
+    def execute(self, sched: SchedulerOutput) -> SampledTokens:
+        if self.kv_caches is None:
+            raise RuntimeError("the KV cache is released (engine sleeping)")
+        chunks = sched.chunks
+        batch = BatchInputs.build(
+            [(c.request.all_token_ids, c.start, c.num_tokens, c.block_ids) for c in chunks],
+            self.block_size,
+            [c.samples for c in chunks],
+        )
+        logits = self.model.forward(batch, self.kv_caches)
+        sampling = [c.request for c in chunks if c.samples]
+        if not sampling:
+            return SampledTokens([])
+        states = []
+        for req in sampling:
+            state = self.sampler_states.get(req.request_id)
+            if state is None:
+                state = self.sampler_states[req.request_id] = self.sampler.new_state(
+                    req.sampling_params, req.prompt_token_ids, req.eos_token_ids
+                )
+            states.append(state)
+        result = self.sampler.sample(logits, states, [r.output_token_ids for r in sampling])
+        logprobs = None
+        if result.logprobs is not None:
+            logprobs = [
+                None if lp is None else Logprobs(lp.token_ids, lp.logprobs, lp.sampled_rank)
+                for lp in result.logprobs
+            ]
+        return SampledTokens(result.token_ids.tolist(), logprobs)
+
+    def execute_dummy(self) -> None:
+        """A one-token forward on a scratch one-block cache, so no live or cached KV is touched."""
+        batch = BatchInputs.build([([0], 0, 1, [0])], self.block_size, [True])
+        self.model.forward(batch, self.model.allocate_kv(1, self.block_size))
+
+    def shutdown(self) -> None:
+        self.kv_caches = None

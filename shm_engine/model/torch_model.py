@@ -1,0 +1,100 @@
+"""fp32 Llama forward in plain torch over the paged KV cache: the engine's float32 path.
+
+It runs the same batches as the int8 model (mixed prefill/decode over block tables), so the engine
+can be checked and benchmarked against it; attention loops over sequences, which is fine for a
+baseline and keeps the code obviously right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from shm_engine.model.batch import BatchInputs
+from shm_engine.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotate_half convention: element i pairs with i + d/2. x: [T, H, D], cos/sin: [T, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class TorchLlama:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.w = {k: v.float().contiguous() for k, v in weights.items()}
+        self.embed = self.w["model.embed_tokens.weight"]
+        self.lm_head = self.w.get("lm_head.weight", self.embed)
+        self.inv_freq = config.inv_freq()
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Returns fp32 logits [len(logits_indices), vocab]."""
+        c = self.config
+        x = self.embed[batch.input_ids]
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        for i, (k_cache, v_cache) in enumerate(kv_caches):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            q = self._linear(h, p + "self_attn.q_proj").view(-1, c.num_heads, c.head_dim)
+            k = self._linear(h, p + "self_attn.k_proj").view(-1, c.num_kv_heads, c.head_dim)
+            v = self._linear(h, p + "self_attn.v_proj").view(-1, c.num_kv_heads, c.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            self._write_kv(k, v, batch.slot_mapping, k_cache, v_cache)
+            attn = self._attention(q, k_cache, v_cache, batch)
+            x = x + self._linear(attn.reshape(-1, c.q_size), p + "self_attn.o_proj")
+            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gate = self._linear(h, p + "mlp.gate_proj")
+            up = self._linear(h, p + "mlp.up_proj")
+            x = x + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+        x = rms_norm(x[batch.logits_indices], self.w["model.norm.weight"], c.rms_norm_eps)
+        return x @ self.lm_head.T
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    @staticmethod
+    def _write_kv(k, v, slots, k_cache, v_cache) -> None:
+        nb, bs = k_cache.shape[:2]
+        k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = k
+        v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = v
+
+    def _attention(self, q, k_cache, v_cache, batch: BatchInputs) -> torch.Tensor:
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        bs = k_cache.shape[1]
+        out = torch.empty_like(q)
+        qsl = batch.query_start_loc.tolist()
+        for b, seq_len in enumerate(batch.seq_lens.tolist()):
+            s, e = qsl[b], qsl[b + 1]
+            n_blocks = -(-seq_len // bs)
+            blocks = batch.block_table[b, :n_blocks].long()
+            keys = k_cache[blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:seq_len]
+            vals = v_cache[blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:seq_len]
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+            vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
+            qb = q[s:e].transpose(0, 1)  # [H, n, D]
+            n = e - s
+            # Query j sits at position seq_len - n + j and sees keys 0 .. that position.
+            mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
+            o = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask)
+            out[s:e] = o.transpose(0, 1)
+        return out
