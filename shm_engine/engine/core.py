@@ -39,16 +39,21 @@ class EngineCore:
         self.batch_queue_size = batch_queue_size
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
         self._executor = ThreadPoolExecutor(1, "model") if batch_queue_size > 1 else None
+        # EngineCoreProc installs a hook that applies aborts which arrived while the model ran,
+        # before update_from_output, so an aborted request gets no further token.
+        self.before_update = lambda: None
 
     # ------------------------------------------------------------------ requests
 
     def preprocess(self, msg: EngineCoreRequest) -> Request:
-        """Validate a client request and build the engine's Request; raises ValueError."""
+        """Validate a client request and build the engine's Request; raises ValueError.
+
+        Thread-safe (reads only immutable config), so EngineCoreProc runs it on the input thread;
+        the duplicate-id check needs the scheduler's state and happens in add_request.
+        """
         rid = msg.request_id
         if not isinstance(rid, str) or not rid:
             raise ValueError("request_id must be a non-empty string")
-        if rid in self.scheduler.requests:
-            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is running")
         params = msg.sampling_params
         params.validate()
         ids = np.asarray(msg.prompt_token_ids)
@@ -74,6 +79,10 @@ class EngineCore:
 
     def add_request(self, msg: EngineCoreRequest | Request) -> None:
         req = msg if isinstance(msg, Request) else self.preprocess(msg)
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(
+                f"duplicate request_id {req.request_id!r}: one with this id is running"
+            )
         if self._sleeping:
             raise RuntimeError("the engine is sleeping; call wake_up() first")
         self.scheduler.add_request(req)
@@ -96,6 +105,7 @@ class EngineCore:
         self.runner.remove_requests(sched.finished_ids)
         sampled = self._execute(sched) if not sched.empty else SampledTokens([])
         t2 = time.perf_counter()
+        self.before_update()
         out = self.scheduler.update_from_output(sched, sampled)
         self.sched_time += (t1 - t0) + (time.perf_counter() - t2)
         self.step_time += t2 - t1
@@ -116,7 +126,10 @@ class EngineCore:
             self.runner.remove_requests(sched.finished_ids)
             if not sched.empty:
                 self.batch_queue.appendleft((self._executor.submit(self._execute, sched), sched))
-                if len(self.batch_queue) < self.batch_queue_size and not self.batch_queue[-1][0].done():
+                if (
+                    len(self.batch_queue) < self.batch_queue_size
+                    and not self.batch_queue[-1][0].done()
+                ):
                     return None
         if not self.batch_queue:
             return None
@@ -125,6 +138,7 @@ class EngineCore:
         sampled = future.result()
         self.step_time += time.perf_counter() - t1
         t2 = time.perf_counter()
+        self.before_update()
         out = self.scheduler.update_from_output(sched, sampled)
         self.sched_time += time.perf_counter() - t2
         return out
@@ -181,7 +195,9 @@ class EngineCore:
 
         if is_start:
             if self._profiler is None:
-                self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self._profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU]
+                )
                 self._profiler.__enter__()
             return None
         if self._profiler is None:

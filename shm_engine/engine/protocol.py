@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from shm_engine.engine.config import EngineConfig
 from shm_engine.sampling_params import SamplingParams
 
 _STRUCT = {"array_like": True, "omit_defaults": True, "tag": True, "kw_only": True}
@@ -106,6 +107,12 @@ EngineMessage = EngineCoreOutputs | EngineDead
 
 
 # --------------------------------------------------------------------------- handshake
+
+
+class EngineStartup(msgspec.Struct, **_STRUCT):
+    """The client's answer to EngineHello: how to build the engine."""
+
+    config: EngineConfig
 
 
 class EngineHello(msgspec.Struct, **_STRUCT):

@@ -1,0 +1,301 @@
+"""EngineCoreClient: how a frontend drives an engine, in-process or in another process.
+
+- ``InprocClient``: EngineCore in this process (embedding, tests); outputs come from ``step()``.
+- ``SyncMPClient``: spawns EngineCoreProc and talks to it over a ring channel; a receiver thread
+  routes utility results to their callers and queues step outputs.
+- ``AsyncMPClient``: the same process and channel, with awaitable outputs for asyncio servers.
+
+A dead engine (crash, SIGKILL, EngineDead message) raises EngineDeadError from every call within
+a second: the channel's liveness link reports the peer's death, the receiver thread marks the
+client dead and wakes every waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.protocol import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineHello,
+    EngineMessage,
+    EngineReady,
+    EngineStartup,
+    UtilityCall,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died or reported a fatal error; in-flight requests are lost."""
+
+
+class UtilityError(RuntimeError):
+    """A utility call failed inside the engine; the message is the engine's."""
+
+
+class InprocClient:
+    """EngineCore in this process, behind the client interface."""
+
+    def __init__(self, config: EngineConfig, core=None) -> None:
+        from shm_engine.engine.core import EngineCore
+
+        self.core = core or EngineCore(config)
+        runner = self.core.runner
+        self.ready = EngineReady(
+            num_kv_blocks=runner.num_blocks,
+            block_size=runner.block_size,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=list(runner.eos_token_ids),
+            model_name=runner.model_name,
+        )
+        self._errors: list[EngineCoreOutputs] = []
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        from shm_engine.engine.core_proc import _error_output
+
+        try:
+            self.core.add_request(request)
+        except (ValueError, RuntimeError) as e:
+            self._errors.append(_error_output(request.request_id, str(e)))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        if self._errors:
+            return self._errors.pop(0)
+        return self.core.step()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        from shm_engine.engine.core_proc import UTILITY_METHODS
+
+        if method not in UTILITY_METHODS:
+            raise UtilityError(f"unknown utility method {method!r}")
+        return getattr(self.core, method)(*args)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class SyncMPClient:
+    """Spawns an engine process and exchanges messages with it over a shared-memory channel."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
+        from shm_engine.engine.core_proc import run_engine_core
+        from shm_engine.ipc import ChannelListener
+
+        self.config = config
+        self._dead: str | None = None
+        self._closing = False
+        self._call_ids = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self.listener = ChannelListener()
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=([self.listener.address], 0),
+            name="EngineCore_0",
+            daemon=True,
+        )
+        self.proc.start()
+        try:
+            self.channel = self._accept(startup_timeout)
+            hello = self.channel.recv(timeout=startup_timeout)
+            if not isinstance(hello, EngineHello):
+                raise EngineDeadError(f"bad handshake: {hello!r}")
+            self.channel.send(EngineStartup(config=config))
+            ready = self.channel.recv(timeout=startup_timeout)
+            if isinstance(ready, EngineDead):
+                raise EngineDeadError(f"engine failed to start: {ready.message}")
+            if not isinstance(ready, EngineReady):
+                raise EngineDeadError(f"bad handshake: {ready!r}")
+        except BaseException as e:
+            self._kill()
+            if isinstance(e, EngineDeadError):
+                raise
+            raise EngineDeadError(f"engine failed to start: {type(e).__name__}: {e}") from e
+        self.ready = ready
+        self._receiver = threading.Thread(
+            target=self._receive_loop, name="engine-outputs", daemon=True
+        )
+        self._receiver.start()
+
+    def _accept(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.listener.accept(
+                    timeout=0.5, recv_type=EngineMessage | EngineHello | EngineReady
+                )
+            except TimeoutError:
+                if not self.proc.is_alive():
+                    raise EngineDeadError(
+                        f"engine process exited with code {self.proc.exitcode} before connecting"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise
+
+    # ------------------------------------------------------------------ receiving
+
+    def _receive_loop(self) -> None:
+        from shm_engine.ipc import IPCError
+
+        try:
+            while True:
+                for msg in self.channel.recv_all(timeout=None):
+                    if isinstance(msg, EngineDead):
+                        self._mark_dead(f"engine reported a fatal error: {msg.message}")
+                        return
+                    if msg.utility_output is not None:
+                        self._resolve(msg)
+                        if not msg.request_ids and not msg.errors:
+                            continue
+                    self._deliver(msg)
+        except (IPCError, OSError) as e:
+            self._mark_dead(
+                "" if self._closing else f"engine process died ({type(e).__name__}: {e})"
+            )
+        except Exception as e:  # a decode error is a broken engine too
+            logger.exception("engine output could not be decoded")
+            self._mark_dead(f"engine output could not be decoded: {e}")
+
+    def _resolve(self, msg: EngineCoreOutputs) -> None:
+        u = msg.utility_output
+        with self._lock:
+            fut = self._pending.pop(u.call_id, None)
+        if fut is None:
+            return
+        if u.failure_message is not None:
+            fut.set_exception(UtilityError(u.failure_message))
+        else:
+            fut.set_result(u.result)
+
+    def _mark_dead(self, reason: str) -> None:
+        self._dead = reason or "engine shut down"
+        err = EngineDeadError(self._dead)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(err)
+        self._deliver(err)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self.outputs.put(item)
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(request_ids=list(request_ids)))
+
+    def _send(self, msg) -> None:
+        self._check()
+        try:
+            self.channel.send(msg, timeout=5.0)
+        except Exception as e:
+            self._check()
+            raise EngineDeadError(f"could not reach the engine: {e}") from e
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """Next step's outputs; None on timeout; raises EngineDeadError once the engine is gone."""
+        try:
+            item = self.outputs.get(timeout=timeout)
+        except queue.Empty:
+            self._check()
+            return None
+        if isinstance(item, EngineDeadError):
+            self.outputs.put(item)  # every later caller sees it too
+            raise item
+        return item
+
+    def call_utility_async(self, method: str, *args: Any) -> Future:
+        fut: Future = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._pending[call_id] = fut
+        self._send(UtilityCall(call_id=call_id, method=method, args=list(args)))
+        return fut
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = 300.0) -> Any:
+        return self.call_utility_async(method, *args).result(timeout=timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Close the channel (the engine sees it and exits), then reap the process."""
+        if self._closing:
+            return
+        self._closing = True
+        self.channel.close()
+        self.proc.join(timeout)
+        self._kill()
+        self._receiver.join(timeout=2.0)
+        self.listener.close()
+
+    def _kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class AsyncMPClient(SyncMPClient):
+    """SyncMPClient whose outputs and utility results are awaited from one asyncio loop.
+
+    NOTE: the receiver thread hands items to the loop with call_soon_threadsafe; the loop is
+    captured at construction, so build the client inside the loop that will consume it.
+    """
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._aqueue: asyncio.Queue = asyncio.Queue()
+        super().__init__(config, startup_timeout)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        item = await self._aqueue.get()
+        if isinstance(item, EngineDeadError):
+            self._aqueue.put_nowait(item)
+            raise item
+        return item
+
+    async def call_utility_coro(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.call_utility_async(method, *args))

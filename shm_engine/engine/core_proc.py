@@ -1,0 +1,310 @@
+"""EngineCoreProc: EngineCore in its own process, talking to its clients over shared-memory rings.
+
+Threads:
+- one input thread per client: ring -> decode -> validate -> input queue (aborts also go to an
+  eager abort queue, applied right after the model runs so no extra token is produced);
+- the main thread's busy loop: input queue -> EngineCore.step() -> output queue; it blocks on the
+  input queue when there is no work, so an idle engine burns no CPU;
+- one output thread: output queue -> encode -> the right client's ring.
+
+A fatal error sends EngineDead to every client before the process exits; SIGTERM/SIGINT shut down
+gracefully (channels closed, so clients see the engine go away at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.core import EngineCore
+from shm_engine.engine.protocol import (
+    AbortRequests,
+    ClientMessage,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineHello,
+    EngineReady,
+    EngineStartup,
+    RequestError,
+    UtilityCall,
+    UtilityOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+# Only these EngineCore methods may be called by name from a client.
+UTILITY_METHODS = frozenset(
+    {
+        "get_stats",
+        "reset_prefix_cache",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "profile",
+        "execute_dummy_batch",
+        "echo",
+    }
+)
+
+_SHUTDOWN = object()
+
+
+class EngineCoreProc:
+    def __init__(
+        self, addresses: list[str], engine_index: int = 0, handshake_timeout: float = 60.0
+    ):
+        from shm_engine.ipc import connect
+
+        self.engine_index = engine_index
+        self.channels = [
+            connect(addr, timeout=handshake_timeout, recv_type=ClientMessage | EngineStartup)
+            for addr in addresses
+        ]
+        for chan in self.channels:
+            chan.send(EngineHello(pid=os.getpid(), engine_index=engine_index))
+        startup = self.channels[0].recv(timeout=handshake_timeout)
+        if not isinstance(startup, EngineStartup):
+            raise RuntimeError(
+                f"expected EngineStartup in the handshake, got {type(startup).__name__}"
+            )
+        self.config: EngineConfig = startup.config
+        self.core = EngineCore(self.config)
+        self.core.before_update = self._apply_eager_aborts
+        runner = self.core.runner
+        ready = EngineReady(
+            num_kv_blocks=runner.num_blocks,
+            block_size=runner.block_size,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=list(runner.eos_token_ids),
+            model_name=runner.model_name,
+        )
+        for chan in self.channels:
+            chan.send(ready)
+        self.input_queue: queue.Queue = queue.Queue()
+        self.abort_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.request_client: dict[str, int] = {}
+        self.closed_clients: set[int] = set()
+        self._stop = threading.Event()
+        self.input_threads = [
+            threading.Thread(target=self._input_loop, args=(i,), name=f"input-{i}", daemon=True)
+            for i in range(len(self.channels))
+        ]
+        self.output_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
+
+    # ------------------------------------------------------------------ IO threads
+
+    def _input_loop(self, client: int) -> None:
+        from shm_engine.ipc import ChannelClosedError, PeerDeadError
+
+        chan = self.channels[client]
+        try:
+            while not self._stop.is_set():
+                try:
+                    msgs = chan.recv_all(timeout=0.5)
+                except TimeoutError:
+                    continue
+                for msg in msgs:
+                    self._accept(client, msg)
+        except (ChannelClosedError, PeerDeadError):
+            logger.info("client %d went away; aborting its requests", client)
+            self.input_queue.put((client, _SHUTDOWN))
+        except Exception as e:  # a malformed frame: report it, keep serving other clients
+            logger.exception("client %d sent a message that could not be decoded", client)
+            self.input_queue.put((client, e))
+
+    def _accept(self, client: int, msg) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                msg = self.core.preprocess(msg)
+            except (ValueError, TypeError) as e:
+                self.output_queue.put((client, _error_output(msg.request_id, str(e))))
+                return
+        elif isinstance(msg, AbortRequests):
+            self.abort_queue.put(msg.request_ids)
+        self.input_queue.put((client, msg))
+
+    def _output_loop(self) -> None:
+        while True:
+            item = self.output_queue.get()
+            if item is _SHUTDOWN:
+                return
+            client, out = item
+            targets = range(len(self.channels)) if client is None else (client,)
+            for i in targets:
+                try:
+                    self.channels[i].send(out)
+                except Exception:
+                    logger.warning("could not send to client %d", i, exc_info=True)
+
+    # ------------------------------------------------------------------ busy loop
+
+    def run_busy_loop(self) -> None:
+        for t in self.input_threads:
+            t.start()
+        self.output_thread.start()
+        while not self._stop.is_set():
+            self._process_input_queue()
+            if self.core.batch_queue_size > 1:
+                out = self.core.step_with_batch_queue()
+            else:
+                out = self.core.step()
+            if out is not None:
+                self._route(out)
+
+    def _process_input_queue(self) -> None:
+        block = not self.core.has_work()
+        while True:
+            try:
+                client, msg = self.input_queue.get(block=block, timeout=None)
+            except queue.Empty:
+                return
+            block = False
+            self._handle(client, msg)
+            if self._stop.is_set():
+                return
+
+    def _handle(self, client: int, msg) -> None:
+        from shm_engine.engine.request import Request
+
+        if isinstance(msg, Request):
+            try:
+                self.core.add_request(msg)
+                self.request_client[msg.request_id] = client
+            except (ValueError, RuntimeError) as e:
+                self.output_queue.put((client, _error_output(msg.request_id, str(e))))
+        elif isinstance(msg, AbortRequests):
+            self._abort(msg.request_ids)
+        elif isinstance(msg, UtilityCall):
+            self.output_queue.put((client, EngineCoreOutputs(utility_output=self._call(msg))))
+        elif msg is _SHUTDOWN:
+            self._abort([r for r, c in self.request_client.items() if c == client])
+            self.closed_clients.add(client)
+            if len(self.closed_clients) == len(self.channels):
+                self._stop.set()
+        elif isinstance(msg, Exception):
+            self.output_queue.put(
+                (client, EngineCoreOutputs(errors=[RequestError("", f"bad message: {msg}")]))
+            )
+        else:
+            logger.error("unknown message type %s from client %d", type(msg).__name__, client)
+
+    def _call(self, msg: UtilityCall) -> UtilityOutput:
+        if msg.method not in UTILITY_METHODS:
+            return UtilityOutput(
+                msg.call_id, failure_message=f"unknown utility method {msg.method!r}"
+            )
+        try:
+            return UtilityOutput(msg.call_id, result=getattr(self.core, msg.method)(*msg.args))
+        except Exception as e:
+            logger.exception("utility call %s failed", msg.method)
+            return UtilityOutput(msg.call_id, failure_message=f"{msg.method} failed: {e}")
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in self.core.abort_requests(request_ids):
+            self.request_client.pop(rid, None)
+
+    def _apply_eager_aborts(self) -> None:
+        while True:
+            try:
+                ids = self.abort_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._abort(ids)
+
+    def _route(self, out: EngineCoreOutputs) -> None:
+        """Send each client the rows of its own requests."""
+        if self.config.log_stats:
+            out.scheduler_stats = self.core.get_stats()
+        for row in out.finished:
+            self.request_client.pop(out.request_ids[row], None)
+        if len(self.channels) == 1:
+            self.output_queue.put((0, out))
+            return
+        for client, part in _split_by_client(out, self.request_client).items():
+            self.output_queue.put((client, part))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def send_engine_dead(self, message: str) -> None:
+        self.output_queue.put((None, EngineDead(message=message)))
+        self.output_queue.put(_SHUTDOWN)
+        self.output_thread.join(timeout=5.0)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.output_thread.is_alive():
+            self.output_queue.put(_SHUTDOWN)
+            self.output_thread.join(timeout=5.0)
+        for chan in self.channels:
+            chan.close()
+        self.core.shutdown()
+
+
+def _error_output(request_id: str, message: str) -> EngineCoreOutputs:
+    return EngineCoreOutputs(errors=[RequestError(request_id, message)], timestamp=time.time())
+
+
+def _split_by_client(out: EngineCoreOutputs, owner: dict[str, int]) -> dict[int, EngineCoreOutputs]:
+    parts: dict[int, EngineCoreOutputs] = {}
+    k = 0
+    for row, (rid, n) in enumerate(zip(out.request_ids, out.num_new_tokens, strict=True)):
+        client = owner.get(rid, 0)
+        part = parts.get(client)
+        if part is None:
+            part = parts[client] = EngineCoreOutputs(
+                scheduler_stats=out.scheduler_stats, timestamp=out.timestamp
+            )
+        new_row = len(part.request_ids)
+        part.request_ids.append(rid)
+        part.num_new_tokens.append(n)
+        part.new_token_ids.extend(out.new_token_ids[k : k + n])
+        k += n
+        for src, dst in (
+            (out.finished, part.finished),
+            (out.stop_reasons, part.stop_reasons),
+            (out.num_cached_tokens, part.num_cached_tokens),
+            (out.logprobs, part.logprobs),
+        ):
+            if row in src:
+                dst[new_row] = src[row]
+    return parts
+
+
+def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
+    """Process entry point (spawned by the client)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"shm_engine::EngineCore_{engine_index}")
+    except ImportError:
+        pass
+    logging.basicConfig(level=os.environ.get("SHM_ENGINE_LOG", "WARNING"))
+
+    def on_signal(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    proc = None
+    try:
+        proc = EngineCoreProc(addresses, engine_index)
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("engine %d: shutting down on a signal", engine_index)
+    except BaseException as e:
+        logger.exception("engine %d: fatal error", engine_index)
+        if proc is not None:
+            proc.send_engine_dead(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
+            proc.shutdown()
+        raise SystemExit(1) from e
+    if proc is not None:
+        proc.shutdown()
