@@ -1,0 +1,233 @@
+"""Frontend side of outputs: per-request detokenization, stop strings, RequestOutput objects.
+
+It runs in the client process, so the engine never touches text. A stop string ends the request
+here and the caller aborts it in the engine (the engine only knows token-level stops).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs
+from shm_engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from shm_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class _RequestState:
+    """One engine request (one of the n completions of a user request)."""
+
+    engine_id: str
+    parent: _ParentState
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    completion: CompletionOutput
+    max_stop_len: int
+    new_text: str = ""
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_RequestState] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(c.completion.finished() for c in self.children)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [c.completion for c in self.children],
+            self.finished,
+            self.num_cached_tokens,
+            self.error,
+            self.metrics,
+        )
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine-side id of completion ``index``; a single completion keeps the user's id."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}  # engine id -> child
+        self.parents: dict[str, _ParentState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a user request; returns the (engine id, params) of each engine request."""
+        if request_id in self.parents:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        parent = _ParentState(request_id, prompt, prompt_token_ids)
+        self.parents[request_id] = parent
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # Each completion samples independently; a seeded request stays reproducible.
+                seed = None if params.seed is None else params.seed + i
+                child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
+            eid = child_request_id(request_id, i, params.n)
+            state = _RequestState(
+                eid,
+                parent,
+                i,
+                child_params,
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                ),
+                CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None),
+                max((len(s) for s in params.stop), default=0),
+            )
+            if params.logprobs is not None:
+                state.completion.logprobs = []
+            self.states[eid] = state
+            parent.children.append(state)
+            children.append((eid, child_params))
+        return children
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.engine_id for c in parent.children] if parent else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for c in parent.children:
+            self.states.pop(c.engine_id, None)
+            if not c.completion.finished():
+                c.completion.finish_reason = reason
+        return parent.output()
+
+    def process(self, out: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs; returns updated requests and engine ids to abort (stop strings)."""
+        now = time.time()
+        touched: dict[str, _ParentState] = {}
+        to_abort: list[str] = []
+        for err in out.errors:
+            state = self.states.get(err.request_id)
+            if state is None:
+                continue
+            state.parent.error = err.message
+            state.completion.finish_reason = "error"
+            touched[state.parent.request_id] = state.parent
+            to_abort += [c.engine_id for c in state.parent.children if c is not state]
+        k = 0
+        for row, (eid, n) in enumerate(zip(out.request_ids, out.num_new_tokens, strict=True)):
+            new_ids = out.new_token_ids[k : k + n]
+            k += n
+            state = self.states.get(eid)
+            if state is None or state.completion.finished():
+                continue  # aborted here already; the engine's late token is dropped
+            parent = state.parent
+            m = parent.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            if row in out.num_cached_tokens:
+                parent.num_cached_tokens = out.num_cached_tokens[row]
+            comp = state.completion
+            comp.token_ids.extend(new_ids)
+            if row in out.logprobs:
+                self._add_logprobs(comp, out.logprobs[row])
+            delta = state.detok.add(new_ids)
+            finish = out.finished.get(row)
+            if finish is not None:
+                delta += state.detok.flush()
+                comp.stop_reason = out.stop_reasons.get(row)
+            comp.text += delta
+            if state.params.stop and self._check_stop_strings(state, len(delta)):
+                finish = "stop"
+                to_abort.append(eid)
+            if finish is not None:
+                comp.finish_reason = finish
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            if parent.finished:
+                parent.metrics.finished_time = now
+                self.parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self.states.pop(c.engine_id, None)
+            results.append(parent.output())
+        return results, to_abort
+
+    def _check_stop_strings(self, state: _RequestState, delta_len: int) -> bool:
+        """Find a stop string that the new text completed; truncate the text there."""
+        comp = state.completion
+        # Only text that could contain a stop string ending in the delta is searched.
+        start = max(0, len(comp.text) - delta_len - state.max_stop_len + 1)
+        for stop in state.params.stop:
+            i = comp.text.find(stop, start)
+            if i >= 0:
+                end = i + len(stop) if state.params.include_stop_str_in_output else i
+                comp.text = comp.text[:end]
+                comp.stop_reason = stop
+                return True
+        return False
+
+    @staticmethod
+    def _add_logprobs(comp: CompletionOutput, entries: list[Logprobs]) -> None:
+        for lp in entries:
+            comp.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
+            comp.cumulative_logprob += lp.logprobs[0]
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {f: getattr(params, f) for f in params.__struct_fields__}
