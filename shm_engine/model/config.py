@@ -1,0 +1,266 @@
+"""Model hyper-parameters, parsed from a Hugging Face config.json or from GGUF metadata.
+
+One frozen dataclass is shared by the loader, the fp32 reference, the int8 runner and the KV-cache
+sizing, so that every component agrees on shapes and on the RoPE frequencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Architectures that share the Llama block (pre-norm, RMSNorm, GQA attention, SwiGLU MLP).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" (also SmolLM), "mistral" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    sliding_window: int | None = None  # Mistral v0.1; None = full attention
+    # llama.cpp stores Llama-3 RoPE scaling as per-frequency divisors (`rope_freqs.weight`)
+    # instead of the HF rope_scaling dict; kept here so inv_freq() is right for such files.
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def num_parameters(self) -> int:
+        """Parameter count (embeddings counted once when tied); used for memory estimates."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def inv_freq(self) -> torch.Tensor:
+        """fp32 RoPE inverse frequencies [head_dim // 2], with linear / llama3 scaling applied.
+
+        Computed in float64 then cast, so the reference and the native kernels can share bits.
+        """
+        d = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        if self.rope_freq_factors is not None:
+            inv = inv / torch.tensor(self.rope_freq_factors, dtype=torch.float64)
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind in ("default", None):
+            pass
+        elif kind == "linear":
+            inv = inv / float(scaling["factor"])
+        elif kind == "llama3":
+            inv = _llama3_scale(inv, scaling)
+        else:
+            raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+        return inv.to(torch.float32)
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """Parse a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config)."""
+        model_type = cfg.get("model_type")
+        if model_type is None:
+            archs = cfg.get("architectures") or [""]
+            model_type = archs[0].lower().replace("forcausallm", "")
+        arch = _HF_MODEL_TYPES.get(model_type)
+        if arch is None:
+            raise ValueError(f"unsupported model_type {model_type!r} in config.json")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        sliding = cfg.get("sliding_window")
+        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            sliding_window=int(sliding) if sliding else None,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json dict that from_hf_config() parses back to an equal config."""
+        names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+        out: dict[str, Any] = {
+            "architectures": [names.get(self.architecture, "Qwen2ForCausalLM")],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id)
+            if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+            if self.architecture == "qwen2":
+                out["use_sliding_window"] = True
+        if self.rope_freq_factors is not None:
+            raise ValueError(
+                "rope_freq_factors (from a GGUF rope_freqs tensor) have no config.json form"
+            )
+        return out
+
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        meta: Mapping[str, Any],
+        *,
+        vocab_size: int | None = None,
+        tie_word_embeddings: bool = False,
+        attention_bias: bool = False,
+        rope_freq_factors: tuple[float, ...] | None = None,
+    ) -> ModelConfig:
+        """Parse GGUF key/values (already decoded to Python values).
+
+        What the metadata does not say (tied output, biases, llama3 rope factors) is inferred by
+        the loader from the tensor list and passed in.
+        """
+        arch = str(meta["general.architecture"])
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+
+        def key(name: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{name}", default)
+
+        heads = int(key("attention.head_count"))
+        kv_heads = key("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):  # per-layer list in some files; Llama family is uniform
+            kv_heads = kv_heads[0]
+        hidden = int(key("embedding_length"))
+        head_dim = int(key("attention.key_length", hidden // heads))
+        if vocab_size is None:
+            vocab_size = key("vocab_size")
+            if vocab_size is None:
+                vocab_size = len(meta.get("tokenizer.ggml.tokens", ()))
+        rope_scaling = None
+        scale_type = key("rope.scaling.type")
+        if scale_type == "linear" and key("rope.scaling.factor"):
+            rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        elif scale_type not in (None, "none", "linear"):
+            raise NotImplementedError(f"GGUF rope scaling {scale_type!r} is not supported")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and eot != eos:
+            eos = (int(eos), int(eot)) if eos is not None else int(eot)
+        sliding = key("attention.sliding_window")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(key("context_length", 2048)),
+            tie_word_embeddings=tie_word_embeddings,
+            attention_bias=attention_bias,
+            bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=eos if isinstance(eos, tuple) else _opt_int(eos),
+            sliding_window=int(sliding) if sliding else None,
+            rope_freq_factors=rope_freq_factors,
+        )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _llama3_scale(inv: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths divided by `factor`, short ones
+    untouched, a linear blend in between (same formula as the reference implementation)."""
+    factor = float(s["factor"])
+    low = float(s.get("low_freq_factor", 1.0))
+    high = float(s.get("high_freq_factor", 4.0))
+    old_ctx = float(s.get("original_max_position_embeddings", 8192))
+    low_wavelen = old_ctx / low
+    high_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)

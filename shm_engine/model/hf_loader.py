@@ -1,0 +1,146 @@
+"""Hugging Face directories: config.json, *.safetensors (single or sharded), tokenizer files.
+
+Also writes such a directory (`save_hf_model`), which the tests use to check that a GGUF and its
+safetensors conversion load to the same weights, and which converts a GGUF for other tools.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .loader import (
+    LoadedModel,
+    WeightSource,
+    check_weight_names,
+    expected_weight_names,
+    file_fingerprint,
+)
+from .tokenizer import Tokenizer
+
+_INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsWeights(WeightSource):
+    """Reads each tensor from its (memory-mapped) shard on access and casts it to fp32."""
+
+    def __init__(self, files: dict[str, Path], config: ModelConfig) -> None:
+        self._files = files  # tensor name -> shard
+        self._handles: dict[Path, object] = {}
+        names = expected_weight_names(config)
+        super().__init__([n for n in names if n in files])
+
+    def _handle(self, path: Path):  # noqa: ANN202 - safetensors has no public handle type
+        h = self._handles.get(path)
+        if h is None:
+            h = safe_open(str(path), framework="pt")
+            self._handles[path] = h
+        return h
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._files[name]).get_slice(name).get_shape())
+
+    def _load(self, name: str) -> torch.Tensor:
+        t = self._handle(self._files[name]).get_tensor(name)
+        return t.to(torch.float32).contiguous()
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    index = path / _INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / shard for name, shard in weight_map.items()}
+    files: dict[str, Path] = {}
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (only safetensors is supported)")
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                files[name] = shard
+    return files
+
+
+def load_hf_dir(path: str | Path) -> LoadedModel:
+    path = Path(path)
+    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    files = _tensor_files(path)
+    if config.tie_word_embeddings:
+        files.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in files and "model.embed_tokens.weight" in files:
+        raise ValueError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
+    weights = SafetensorsWeights(files, config)
+    check_weight_names(config, list(files), str(path))
+    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
+    if tokenizer.bos_token_id is None and config.bos_token_id is not None:
+        tokenizer.bos_token_id = config.bos_token_id
+    fingerprinted = sorted(set(files.values())) + [path / "config.json"]
+    fingerprinted += [
+        p for p in (path / "tokenizer.json", path / "tokenizer_config.json") if p.is_file()
+    ]
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        fingerprint=file_fingerprint(fingerprinted),
+        path=path,
+        format="hf",
+    )
+
+
+def save_hf_model(
+    path: str | Path,
+    config: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    tokenizer: Tokenizer | None = None,
+    *,
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write config.json, safetensors (sharded with an index if max_shard_bytes) and tokenizer.
+
+    Tensors are pulled from `weights` one shard at a time, so a lazy source is never fully
+    materialized when sharding."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_hf(path)
+    names = [n for n in expected_weight_names(config) if n in weights]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = _numel(weights, name) * torch.empty((), dtype=dtype).element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        tensors = {n: weights[n].to(dtype).contiguous() for n in shards[0]}
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: weights[n].to(dtype).contiguous() for n in shard}
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+        del tensors
+    index = {"metadata": {}, "weight_map": weight_map}
+    (path / _INDEX).write_text(json.dumps(index, indent=2))
+    return path
+
+
+def _numel(weights: Mapping[str, torch.Tensor], name: str) -> int:
+    shape = weights.shape(name) if isinstance(weights, WeightSource) else weights[name].shape
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

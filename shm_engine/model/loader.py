@@ -1,0 +1,137 @@
+"""One entry point for every model source: `load_model(path_or_none) -> LoadedModel`.
+
+Weights come back as a lazy, read-only mapping from Hugging Face tensor names to fp32 tensors in
+the HF layout: a tensor is read (and dequantized) from the memory-mapped file when it is asked
+for and not kept, so a consumer that takes one tensor at a time (the int8 packer) peaks at the
+largest tensor in fp32 (the 113 MB embedding of SmolLM2) plus the file mapping, not the 540 MB of
+a full fp32 copy. `materialize()` builds the full dict for the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .default_model import default_model_path
+from .tokenizer import Tokenizer
+
+_FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed at each end of every file
+
+
+class WeightSource(Mapping[str, torch.Tensor], ABC):
+    """Lazy name -> fp32 tensor mapping; each access reads the tensor anew (nothing is cached)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._names = list(names)
+        self._index = set(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._index:
+            raise KeyError(name)
+        return self._load(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    @abstractmethod
+    def _load(self, name: str) -> torch.Tensor:
+        """Read one tensor as a fresh, contiguous fp32 tensor in the HF layout."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self[name].shape)
+
+    def materialize(self) -> dict[str, torch.Tensor]:
+        """Every tensor in fp32 (4 bytes/parameter: ~540 MB for SmolLM2-135M)."""
+        return {name: self._load(name) for name in self._names}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: WeightSource
+    tokenizer: Tokenizer
+    fingerprint: (
+        str  # stable across runs and copies of the same files; keys caches of packed weights
+    )
+    path: Path
+    format: str  # "gguf" or "hf"
+
+
+def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory; None means the embedded SmolLM2 GGUF."""
+    p = default_model_path() if path is None else Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {p} does not exist")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            from .hf_loader import load_hf_dir
+
+            return load_hf_dir(p)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(
+                f"{p} is neither a Hugging Face directory (config.json) nor holds exactly one .gguf"
+            )
+        p = ggufs[0]
+    from .gguf_loader import load_gguf
+
+    return load_gguf(p)
+
+
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    """Canonical HF tensor names in a fixed order (embedding, layer by layer, norm, lm_head)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(config.num_layers):
+        pre = f"model.layers.{i}."
+        names.append(pre + "input_layernorm.weight")
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            names.append(f"{pre}self_attn.{proj}.weight")
+            if config.attention_bias:
+                names.append(f"{pre}self_attn.{proj}.bias")
+        names.append(pre + "self_attn.o_proj.weight")
+        names.append(pre + "post_attention_layernorm.weight")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names.append(f"{pre}mlp.{proj}.weight")
+    names.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def file_fingerprint(paths: Sequence[Path]) -> str:
+    """Hash of names, sizes and the first and last MiB of each file.
+
+    Content-based (survives copies and touch) yet costs a few ms even for multi-GB files; any
+    re-quantization or conversion changes the header (tensor table) or the tail.
+    """
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda q: q.name):
+        size = p.stat().st_size
+        h.update(f"{p.name}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(_FINGERPRINT_SAMPLE))
+            if size > 2 * _FINGERPRINT_SAMPLE:
+                f.seek(size - _FINGERPRINT_SAMPLE)
+                h.update(f.read(_FINGERPRINT_SAMPLE))
+    return h.hexdigest()[:32]
+
+
+def check_weight_names(config: ModelConfig, available: Sequence[str], source: str) -> None:
+    have = set(available)
+    missing = [n for n in expected_weight_names(config) if n not in have]
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"{source}: missing tensors {missing[:5]}{more}")
