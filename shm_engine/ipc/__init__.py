@@ -1,0 +1,30 @@
+"""Shared-memory SPSC ring transport: typed duplex channels between processes.
+
+Knows nothing about models or the engine.  See docs/ipc.md.
+"""
+
+from .channel import DEFAULT_CAPACITY, Channel, channel_pair
+from .codec import Decoder, Encoder
+from .errors import (
+    ChannelClosedError,
+    IPCError,
+    MessageTooLargeError,
+    PeerDeadError,
+    RingCorruptError,
+)
+from .handshake import ChannelListener, connect
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "Channel",
+    "ChannelClosedError",
+    "ChannelListener",
+    "Decoder",
+    "Encoder",
+    "IPCError",
+    "MessageTooLargeError",
+    "PeerDeadError",
+    "RingCorruptError",
+    "channel_pair",
+    "connect",
+]

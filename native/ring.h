@@ -1,0 +1,70 @@
+/* Shared-memory SPSC ring: the frontend <-> engine transport (see docs/ipc.md).
+ *
+ * One ring region = a header (own cache lines for head, tail, waiting flags, closed flags and two
+ * process-shared semaphores) followed by a power-of-two data area holding 8-byte aligned records
+ * [u32 len][u32 kind][payload padded to 8].  Only the owning process's ring_t (malloc'd, private)
+ * holds trusted state; everything read from the shared region is validated before use.
+ */
+#ifndef SHM_ENGINE_RING_H
+#define SHM_ENGINE_RING_H
+
+#include <stdint.h>
+
+#define RING_HDR_SIZE 512u
+#define RING_MIN_CAP 4096u
+
+/* Return codes (negative = error). */
+#define RING_OK 0
+#define RING_EAGAIN (-11)  /* the wait slice expired (or a signal arrived): poll liveness, retry */
+#define RING_ECLOSED (-32) /* the peer closed its end (consumer: only after draining) */
+#define RING_ECORRUPT (-74) /* a bounds/format check on shared memory failed; ring is poisoned */
+#define RING_EINVAL (-22)  /* bad argument from the local caller */
+
+/* Record kinds (low byte) and flags. */
+#define RING_K_WRAP 1u
+#define RING_K_DATA 2u
+#define RING_F_FRAME_END 0x100u /* last record of a frame */
+#define RING_F_MSG_END 0x200u   /* last record of a message */
+#define RING_F_LARGE 0x400u     /* message was fragmented: consumer must copy it out */
+
+/* Corruption detail codes (ring_corrupt_detail). */
+#define RING_C_MAGIC 1
+#define RING_C_HEAD 2
+#define RING_C_TAIL 3
+#define RING_C_RECLEN 4
+#define RING_C_KIND 5
+#define RING_C_WRAP 6
+#define RING_C_PARTIAL 7
+
+#define RING_ROLE_PRODUCER 0
+#define RING_ROLE_CONSUMER 1
+
+typedef struct ring_s ring_t;
+
+int ring_region_init(uint8_t *base, uint64_t region_size, uint64_t cap);
+ring_t *ring_open(uint8_t *base, uint64_t region_size, int role, int *err);
+void ring_free(ring_t *r);
+void ring_set_spin(ring_t *r, uint64_t min_ns, uint64_t max_ns);
+
+int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint64_t *lens,
+               const uint32_t *nframes, uint32_t nmsgs, uint64_t slice_ns, int spin);
+int ring_write1(ring_t *r, const char *buf, uint64_t len, uint64_t slice_ns, int spin);
+uint32_t ring_write_progress(ring_t *r, int *mid_message);
+void ring_write_abort(ring_t *r);
+
+int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
+              uint64_t slice_ns, int spin);
+void ring_release(ring_t *r);
+
+void ring_close(ring_t *r);
+int ring_peer_closed(ring_t *r);
+int ring_corrupt_detail(ring_t *r);
+void ring_stats(ring_t *r, uint64_t *out, uint32_t n);
+uint64_t ring_capacity(ring_t *r);
+
+/* Bare semaphore helpers: the benchmark's reference wake-up (same sem_t kind as the ring's). */
+int ring_bench_sem_init(uint8_t *p);
+int ring_bench_sem_post(uint8_t *p);
+int ring_bench_sem_wait(uint8_t *p, uint64_t timeout_ns);
+
+#endif

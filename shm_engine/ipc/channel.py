@@ -1,0 +1,482 @@
+"""Typed duplex channel over a pair of shared-memory SPSC rings (one per direction).
+
+Threading: one thread may send while another receives (the two directions share no mutable
+state); two threads must not send (or receive) on the same channel at once.
+
+Blocking calls run inside one C call per wait slice (default 50 ms) with the GIL released; between
+slices Python checks the peer's liveness socket, the local closed flag and the caller's timeout.
+"""
+
+from __future__ import annotations
+
+import mmap
+import select
+import socket
+import time
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .._ring_cffi import ffi, lib
+from .codec import Buffer, Decoder, Encoder
+from .errors import ChannelClosedError, IPCError, PeerDeadError, RingCorruptError
+
+DEFAULT_CAPACITY = 4 << 20
+DEFAULT_SPIN_US = 50.0
+DEFAULT_SPIN_MIN_US = 2.0
+DEFAULT_SLICE_MS = 50.0
+
+HDR = lib.RING_HDR_SIZE
+_M32 = 0xFFFFFFFF
+_MSG_END = lib.RING_F_MSG_END << 32
+_FRAME_END = lib.RING_F_FRAME_END << 32
+_LARGE = lib.RING_F_LARGE << 32
+_SIMPLE = (lib.RING_K_DATA | lib.RING_F_FRAME_END | lib.RING_F_MSG_END) << 32
+_EAGAIN = lib.RING_EAGAIN
+_ENOBUFS = -105
+_POLL_MASK = select.POLLIN | select.POLLHUP | select.POLLERR
+_CORRUPT_DETAIL = {
+    1: "bad magic",
+    2: "head counter out of range",
+    3: "tail counter out of range",
+    4: "record length out of bounds",
+    5: "invalid record kind",
+    6: "invalid wrap record",
+    7: "message truncated",
+}
+
+
+def region_size(capacity: int) -> int:
+    """Bytes of one ring (header + data area)."""
+    return HDR + capacity
+
+
+def check_capacity(capacity: int) -> None:
+    if capacity < lib.RING_MIN_CAP or capacity & (capacity - 1) or capacity > 1 << 30:
+        raise ValueError("capacity must be a power of two between 4 KiB and 1 GiB")
+
+
+def init_segment(mm: mmap.mmap, capacity: int) -> None:
+    """Format both rings of a freshly created two-ring segment."""
+    buf = ffi.from_buffer(mm)
+    try:
+        size = region_size(capacity)
+        base = ffi.cast("uint8_t *", buf)
+        for off in (0, size):
+            rc = lib.ring_region_init(base + off, size, capacity)
+            if rc != 0:
+                raise IPCError(f"ring_region_init failed ({rc})")
+    finally:
+        ffi.release(buf)
+
+
+class _Ring:
+    """One direction: the private C state plus the Python-side liveness poller."""
+
+    def __init__(self, base: Any, size: int, role: int, sock: socket.socket | None) -> None:
+        err = ffi.new("int *")
+        r = lib.ring_open(base, size, role, err)
+        if r == ffi.NULL:
+            if err[0] == lib.RING_ECORRUPT:
+                raise RingCorruptError("ring header failed validation")
+            raise IPCError(f"ring_open failed ({err[0]})")
+        self.r = ffi.gc(r, lib.ring_free)
+        self.poller = select.poll()
+        if sock is not None:
+            self.poller.register(sock.fileno(), _POLL_MASK)
+        self.has_sock = sock is not None
+
+
+class Channel:
+    """Duplex message channel; create with ``ChannelListener.accept``/``connect`` or ``channel_pair``.
+
+    ``send``/``recv`` move msgspec-encodable objects (numpy arrays and torch tensors as aux
+    frames).  Received arrays are zero-copy views into the ring, valid until the next receive call
+    on this channel (see ``shm_engine.ipc.codec``); pass ``zero_copy=False`` to get copies.
+    """
+
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        tx_offset: int,
+        rx_offset: int,
+        capacity: int,
+        sock: socket.socket | None,
+        recv_type: Any = Any,
+        *,
+        spin_us: float = DEFAULT_SPIN_US,
+        spin_min_us: float = DEFAULT_SPIN_MIN_US,
+        slice_ms: float = DEFAULT_SLICE_MS,
+        zero_copy: bool = True,
+    ) -> None:
+        check_capacity(capacity)
+        size = region_size(capacity)
+        if max(tx_offset, rx_offset) + size > len(mm):
+            raise ValueError("ring regions exceed the mapping")
+        self._mm = mm
+        self._mv = memoryview(mm)
+        self._buf = ffi.from_buffer(mm)  # keeps the mapping alive as long as the channel
+        base = ffi.cast("uint8_t *", self._buf)
+        self._sock = sock
+        self._tx = _Ring(base + tx_offset, size, lib.RING_ROLE_PRODUCER, sock)
+        self._rx = _Ring(base + rx_offset, size, lib.RING_ROLE_CONSUMER, sock)
+        for ring in (self._tx, self._rx):
+            lib.ring_set_spin(ring.r, int(spin_min_us * 1000), int(spin_us * 1000))
+        self.capacity = capacity
+        self._rx_base = rx_offset
+        self._slice_ns = max(1, int(slice_ms * 1e6))
+        self._zero_copy = zero_copy
+        self._enc = Encoder()
+        self._dec = Decoder(recv_type, copy_arrays=not zero_copy)
+        self._decode = self._dec.decode
+        self._closed = False
+        self._peer_dead = False
+        self._pending: Callable[[int, int], int] | None = None
+        self._partial: tuple[list[Buffer], bytearray] | None = None
+        self._out_n = 0
+        self._grow_out(4096)
+        # Reused argument arrays for single-message sends with aux frames.
+        self._ptrs_n = 0
+        self._grow_ptrs(16)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _grow_out(self, n: int) -> None:
+        self._out_n = n
+        self._out = ffi.new("uint64_t[]", 2 * n)
+        self._outmv = memoryview(ffi.buffer(self._out)).cast("Q")
+
+    def _grow_ptrs(self, n: int) -> None:
+        self._ptrs_n = n
+        self._ptrs = ffi.new("const char *[]", n)
+        self._lens = ffi.new("uint64_t[]", n)
+        self._nfr = ffi.new("uint32_t[1]")
+
+    def _raise(self, rc: int, ring: _Ring) -> None:
+        if rc == lib.RING_ECLOSED:
+            raise ChannelClosedError("the peer closed the channel")
+        if rc == lib.RING_ECORRUPT:
+            detail = _CORRUPT_DETAIL.get(lib.ring_corrupt_detail(ring.r), "unknown")
+            raise RingCorruptError(f"shared-memory ring is corrupt: {detail}")
+        raise IPCError(f"ring call failed ({rc})")
+
+    def _check_alive(self, ring: _Ring) -> None:
+        if self._closed:
+            raise ChannelClosedError("channel closed locally")
+        if self._peer_dead or (ring.has_sock and ring.poller.poll(0)):
+            self._peer_dead = True
+            raise PeerDeadError("peer process is gone (liveness socket hung up)")
+
+    def _slice(self, timeout: float | None) -> int:
+        if timeout is None:
+            return self._slice_ns
+        return min(self._slice_ns, max(0, int(timeout * 1e9)))
+
+    # ---- sending ------------------------------------------------------------------------
+
+    def _drive(self, call: Callable[[int, int], int], nmsgs: int, timeout: float | None) -> None:
+        """Keep calling a resumable C write in slices until done, checking liveness between."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                self._check_alive(self._tx)
+            except IPCError:
+                self._pending = None
+                raise
+            slice_ns = self._slice_ns
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    mid = ffi.new("int *")
+                    sent = lib.ring_write_progress(self._tx.r, mid)
+                    if mid[0]:
+                        self._pending = call
+                        raise TimeoutError(
+                            f"send timed out inside a fragmented message ({sent} of {nmsgs} "
+                            "sent); the next send completes it first"
+                        )
+                    lib.ring_write_abort(self._tx.r)
+                    self._pending = None
+                    err = TimeoutError(f"send timed out ({sent} of {nmsgs} messages sent)")
+                    err.sent = sent  # type: ignore[attr-defined]
+                    raise err
+                slice_ns = min(slice_ns, int(left * 1e9) + 1)
+            rc = call(slice_ns, 0)
+            if rc == 0:
+                self._pending = None
+                return
+            if rc != _EAGAIN:
+                self._pending = None
+                self._raise(rc, self._tx)
+
+    def _write(self, call: Callable[[int, int], int], nmsgs: int, timeout: float | None) -> None:
+        if self._closed:
+            raise ChannelClosedError("channel closed locally")
+        if self._pending is not None:
+            self._drive(self._pending, 0, timeout)
+        rc = call(self._slice(timeout), 1)
+        if rc == 0:
+            return
+        if rc != _EAGAIN:
+            self._raise(rc, self._tx)
+        if timeout is not None:
+            timeout = max(0.0, timeout - self._slice(timeout) / 1e9)
+        self._drive(call, nmsgs, timeout)
+
+    def _write_frames(self, msgs: Sequence[Sequence[Buffer]], timeout: float | None) -> None:
+        """General path: any number of messages of any number of frames."""
+        nframes = [len(m) for m in msgs]
+        total = sum(nframes)
+        if any(n == 0 for n in nframes):
+            raise ValueError("a message needs at least one frame")
+        if len(msgs) == 1 and total <= self._ptrs_n:
+            ptrs, lens, nfr = self._ptrs, self._lens, self._nfr
+            nfr[0] = total
+        else:
+            ptrs = ffi.new("const char *[]", total)
+            lens = ffi.new("uint64_t[]", total)
+            nfr = ffi.new("uint32_t[]", nframes)
+        keep = []
+        i = 0
+        for m in msgs:
+            for f in m:
+                cd = ffi.from_buffer(f)
+                keep.append(cd)
+                ptrs[i] = cd
+                lens[i] = len(cd)
+                i += 1
+        tx = self._tx.r
+        n = len(msgs)
+
+        def call(slice_ns: int, spin: int) -> int:
+            keep  # noqa: B018  (keeps the buffers alive while a pending write may resume)
+            return lib.ring_write(tx, ffi.NULL, ptrs, lens, nfr, n, slice_ns, spin)
+
+        self._write(call, n, timeout)
+
+    def send(self, obj: Any, timeout: float | None = None) -> None:
+        """Encode and send one message; blocks while the ring is full (backpressure)."""
+        frames = self._enc.encode(obj)
+        if len(frames) == 1:
+            body = frames[0]
+            tx = self._tx.r
+            n = len(body)
+            self._write(lambda s, sp: lib.ring_write1(tx, body, n, s, sp), 1, timeout)
+        else:
+            self._write_frames([frames], timeout)
+
+    def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
+        """Send a batch with one C call (one head publish, at most one wake-up)."""
+        objs = list(objs)
+        buf = bytearray()
+        lens = array("Q")
+        aux: list[Any] = []
+        enc = self._enc
+        for obj in objs:
+            start = len(buf)
+            enc.encode_into(obj, buf, aux)
+            if aux:
+                # Some message carries arrays: fall back to one frame list per message.
+                self._write_frames([enc.encode(o) for o in objs], timeout)
+                return
+            lens.append(len(buf) - start)
+        if lens:
+            self._write_blob(buf, lens, timeout)
+
+    def _write_blob(self, buf: bytearray, lens: array, timeout: float | None) -> None:
+        """Single-frame messages laid end to end in one buffer: no per-message cffi work."""
+        cbuf = ffi.from_buffer(buf)
+        clens = ffi.from_buffer("uint64_t[]", lens)
+        tx = self._tx.r
+        n = len(lens)
+
+        def call(slice_ns: int, spin: int) -> int:
+            return lib.ring_write(tx, cbuf, ffi.NULL, clens, ffi.NULL, n, slice_ns, spin)
+
+        self._write(call, n, timeout)
+
+    def send_bytes(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
+        """Send one message made of raw frames (no codec)."""
+        if len(frames) == 1 and isinstance(frames[0], bytes):
+            body = frames[0]
+            tx = self._tx.r
+            n = len(body)
+            self._write(lambda s, sp: lib.ring_write1(tx, body, n, s, sp), 1, timeout)
+        else:
+            self._write_frames([frames], timeout)
+
+    # ---- receiving ----------------------------------------------------------------------
+
+    def _read(self, max_msgs: int, timeout: float | None) -> int:
+        """Return the number of entries in self._out, waiting in slices; raises on errors."""
+        if self._closed:
+            raise ChannelClosedError("channel closed locally")
+        rx = self._rx
+        n = lib.ring_read(rx.r, self._out, self._out_n, max_msgs, self._slice(timeout), 1)
+        if n > 0:
+            return n
+        deadline = (
+            None if timeout is None else time.monotonic() + timeout - self._slice(timeout) / 1e9
+        )
+        while True:
+            if n > 0:
+                return n
+            if n == _ENOBUFS:
+                self._grow_out(self._out_n * 4)
+            elif n != _EAGAIN:
+                self._raise(n, rx)
+            else:
+                try:
+                    self._check_alive(rx)
+                except PeerDeadError:
+                    # Deliver what the peer sent before it died, then report the death.
+                    n = lib.ring_read(rx.r, self._out, self._out_n, max_msgs, 0, 0)
+                    if n > 0:
+                        return n
+                    if n == lib.RING_ECLOSED:
+                        self._raise(n, rx)
+                    raise
+            slice_ns = self._slice_ns
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("recv timed out")
+                slice_ns = min(slice_ns, int(left * 1e9) + 1)
+            n = lib.ring_read(rx.r, self._out, self._out_n, max_msgs, slice_ns, 0)
+
+    def _collect(self, n: int, timeout: float | None) -> list[list[Buffer]]:
+        """Turn entries into frame lists; copies out a fragmented (large) message."""
+        vals = self._outmv[: 2 * n].tolist()
+        mv = self._mv
+        base = self._rx_base
+        if self._partial is not None or vals[1] & _LARGE:
+            return [self._assemble(vals, timeout)]
+        msgs: list[list[Buffer]] = []
+        cur: list[Buffer] = []
+        for i in range(0, 2 * n, 2):
+            o = vals[i] + base
+            lk = vals[i + 1]
+            cur.append(mv[o : o + (lk & _M32)])
+            if lk & _MSG_END:
+                msgs.append(cur)
+                cur = []
+        return msgs
+
+    def _assemble(self, vals: list[int], timeout: float | None) -> list[Buffer]:
+        frames, buf = self._partial or ([], bytearray())
+        self._partial = None
+        mv = self._mv
+        base = self._rx_base
+        while True:
+            done = False
+            for i in range(0, len(vals), 2):
+                o = vals[i] + base
+                lk = vals[i + 1]
+                buf += mv[o : o + (lk & _M32)]
+                if lk & _FRAME_END:
+                    frames.append(buf)
+                    buf = bytearray()
+                if lk & _MSG_END:
+                    done = True
+            if done:
+                return frames
+            try:
+                n = self._read(1, timeout)
+            except TimeoutError:
+                self._partial = (frames, buf)  # resumed by the next receive call
+                raise
+            vals = self._outmv[: 2 * n].tolist()
+
+    def recv_bytes(self, timeout: float | None = None) -> list[Buffer]:
+        """Receive one message as raw frames (views into the ring unless zero_copy=False)."""
+        frames = self._collect(self._read(1, timeout), timeout)[0]
+        if not self._zero_copy:
+            frames = [bytes(f) for f in frames]
+        return frames
+
+    def recv(self, timeout: float | None = None) -> Any:
+        """Receive and decode one message; TimeoutError, PeerDeadError, ChannelClosedError."""
+        n = self._read(1, timeout)
+        if n == 1 and self._partial is None:
+            lk = self._outmv[1]
+            if lk >> 32 == _SIMPLE >> 32:
+                o = self._outmv[0] + self._rx_base
+                return self._decode((self._mv[o : o + (lk & _M32)],))
+        return self._decode(self._collect(n, timeout)[0])
+
+    def recv_all(self, timeout: float | None = None) -> list[Any]:
+        """Receive every message already available (blocking only for the first one)."""
+        n = self._read(0xFFFFFFFF, timeout)
+        if self._partial is not None:
+            return [self._decode(self._collect(n, timeout)[0])]
+        vals = self._outmv[: 2 * n].tolist()
+        if vals[1] & _LARGE:
+            return [self._decode(self._collect(n, timeout)[0])]
+        mv = self._mv
+        base = self._rx_base
+        decode = self._decode
+        out = []
+        cur: list[Buffer] = []
+        for i in range(0, 2 * n, 2):
+            o = vals[i] + base
+            lk = vals[i + 1]
+            if lk >> 32 == _SIMPLE >> 32:
+                out.append(decode((mv[o : o + (lk & _M32)],)))
+            else:
+                cur.append(mv[o : o + (lk & _M32)])
+                if lk & _MSG_END:
+                    out.append(decode(cur))
+                    cur = []
+        return out
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Idempotent.  The peer's recv drains what we sent, then raises ChannelClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        lib.ring_close(self._tx.r)
+        lib.ring_close(self._rx.r)
+        if self._sock is not None:
+            self._sock.close()
+        # The mapping itself is released by garbage collection, once no received view and no
+        # thread still inside a ring call can touch it: unmapping here could crash either.
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Wait/park/spin counters of both directions (for benchmarks and tuning)."""
+        out = {}
+        for name, ring in (("tx", self._tx), ("rx", self._rx)):
+            v = ffi.new("uint64_t[5]")
+            lib.ring_stats(ring.r, v, 5)
+            out[name] = dict(
+                zip(("waits", "parks", "spin_hits", "posts", "spin_ns"), v, strict=True)
+            )
+        return out
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def channel_pair(
+    capacity: int = DEFAULT_CAPACITY, recv_type_a: Any = Any, recv_type_b: Any = Any, **opts: Any
+) -> tuple[Channel, Channel]:
+    """Two connected channels in this process (anonymous shared memory, no names at all).
+
+    For threads, tests and embedding; across processes use ChannelListener/connect.
+    """
+    check_capacity(capacity)
+    size = region_size(capacity)
+    mm = mmap.mmap(-1, 2 * size)
+    init_segment(mm, capacity)
+    sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a = Channel(mm, 0, size, capacity, sa, recv_type_a, **opts)
+    b = Channel(mm, size, 0, capacity, sb, recv_type_b, **opts)
+    return a, b

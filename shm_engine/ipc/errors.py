@@ -1,0 +1,21 @@
+"""Exceptions of the IPC layer.  Timeouts use the builtin ``TimeoutError``."""
+
+
+class IPCError(Exception):
+    """Base class of every transport failure, so callers can catch the whole family."""
+
+
+class PeerDeadError(IPCError):
+    """The process on the other end is gone (its liveness socket hung up)."""
+
+
+class RingCorruptError(IPCError):
+    """A bounds or format check on shared memory failed; the channel cannot be used any more."""
+
+
+class ChannelClosedError(IPCError):
+    """The channel was closed (by the peer after everything it sent was drained, or locally)."""
+
+
+class MessageTooLargeError(IPCError):
+    """Never raised by the ring (it fragments without limit); kept for API completeness."""
