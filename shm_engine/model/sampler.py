@@ -1,0 +1,283 @@
+"""Batched token sampling with per-request parameters (vLLM semantics).
+
+Per row, in this order:
+1. min_tokens: EOS and stop_token_ids are masked while fewer than min_tokens were generated.
+2. Penalties on the raw logits: repetition (Hugging Face: over prompt + output, positive logits
+   divided by the penalty, negative ones multiplied), then frequency and presence (OpenAI: over the
+   output only, `logit -= frequency * count + presence * (count > 0)`).
+3. Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalized logits.
+4. Otherwise: divide by temperature, keep the top_k largest logits (ties with the k-th are kept),
+   then the smallest prefix of tokens by probability whose mass reaches top_p, then tokens with
+   probability >= min_p * max probability (a ratio test, so its place in the chain is immaterial).
+5. Draw by inverse CDF: one uniform u per row, the token where the vocab-order cumulative
+   distribution (float64) first exceeds u.
+
+Seeds: a seeded request's u at output step s comes from a fresh torch.Generator seeded with
+splitmix64(seed, s), i.e. a counter-based stream that needs no state carried across steps, so
+the draw depends only on (seed, step, this row's logits): identical across runs, batch
+compositions, and preemption/recomputation. Unseeded rows share the sampler's generator.
+
+Logprobs are those of the raw model distribution (log_softmax of the logits as the model returned
+them, before penalties, temperature and filtering), like vLLM's default `raw_logprobs`: they
+describe the model rather than the sampling settings. The sampled token's logprob and rank
+(1 + number of tokens with a strictly larger logprob) come first, then the top-n.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shm_engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """One round of SplitMix64: decorrelates nearby (seed, step) keys."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) a request with `seed` uses at output step `step`."""
+    g = torch.Generator()
+    g.manual_seed(splitmix64(splitmix64(seed) ^ step) >> 1)
+    return float(torch.rand((), generator=g, dtype=torch.float64))
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """Per-request sampler state, created once by `Sampler.new_state` and kept by the runner.
+
+    Holds the prompt for repetition penalties and incrementally maintained output counts, so a
+    step costs O(new tokens), not O(sequence)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    stop_ids: tuple[int, ...] = ()  # masked while len(output) < min_tokens
+    counts: torch.Tensor | None = None  # [V] float32 output-token counts (penalties only)
+    seen: torch.Tensor | None = None  # [V] bool prompt + output tokens (repetition only)
+    n_counted: int = 0
+    needs_counts: bool = field(init=False)
+    needs_seen: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.needs_counts = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        self.needs_seen = p.repetition_penalty != 1.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.needs_counts or self.needs_seen
+
+    def update(self, output_ids: Sequence[int], vocab_size: int) -> None:
+        """Fold output tokens generated since the last call into counts / seen."""
+        if not self.has_penalties:
+            return
+        if (
+            self.counts is None
+            or len(output_ids) < self.n_counted
+            or (self.counts.numel() != vocab_size)
+        ):
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            prompt = torch.as_tensor(list(self.prompt_token_ids), dtype=torch.long)
+            self.seen[prompt[(prompt >= 0) & (prompt < vocab_size)]] = True
+            self.n_counted = 0
+        new = torch.as_tensor(list(output_ids[self.n_counted :]), dtype=torch.long)
+        if new.numel():
+            new = new[(new >= 0) & (new < vocab_size)]
+            self.counts.index_add_(0, new, torch.ones(new.numel()))
+            assert self.seen is not None
+            self.seen[new] = True
+        self.n_counted = len(output_ids)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled token: the sampled token first, then the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: np.ndarray  # [B] int32
+    logprobs: list[TokenLogprobs | None] | None = None  # per row; None when no row asked
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        """`seed` only fixes the shared generator of unseeded requests (for tests)."""
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def new_state(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int] = (),
+        eos_token_ids: Sequence[int] = (),
+    ) -> SamplingState:
+        stop = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop += list(eos_token_ids)
+        return SamplingState(params, prompt_token_ids, tuple(dict.fromkeys(stop)))
+
+    @torch.no_grad()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V] (not modified)."""
+        b, v = logits.shape
+        if b != len(states) or b != len(output_token_ids):
+            raise ValueError(f"{b} logit rows for {len(states)} states")
+        params = [s.params for s in states]
+        min_tok = [
+            i
+            for i, s in enumerate(states)
+            if s.stop_ids and len(output_token_ids[i]) < s.params.min_tokens
+        ]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        penalized = [i for i, s in enumerate(states) if s.has_penalties]
+        greedy = [p.greedy for p in params]
+        if all(greedy) and not min_tok and not want_lp and not penalized:
+            ids = torch.argmax(logits, dim=-1)
+            return SamplerOutput(ids.to(torch.int32).numpy())
+
+        x = logits.to(torch.float32).clone()
+        for i in min_tok:
+            stop = torch.tensor([t for t in states[i].stop_ids if t < v], dtype=torch.long)
+            x[i, stop] = float("-inf")
+        for i in penalized:
+            s = states[i]
+            s.update(output_token_ids[i], v)
+            p = s.params
+            if s.needs_seen:
+                assert s.seen is not None
+                row = x[i]
+                pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                x[i] = torch.where(s.seen, pen, row)
+            if s.needs_counts:
+                assert s.counts is not None
+                x[i] -= p.frequency_penalty * s.counts + p.presence_penalty * (s.counts > 0)
+
+        out = torch.empty(b, dtype=torch.long)
+        g_rows = [i for i in range(b) if greedy[i]]
+        s_rows = [i for i in range(b) if not greedy[i]]
+        if g_rows:
+            out[g_rows] = torch.argmax(x[g_rows], dim=-1)
+        if s_rows:
+            sp = [params[i] for i in s_rows]
+            probs = filtered_probs(
+                x[s_rows],
+                torch.tensor([p.temperature for p in sp], dtype=torch.float32),
+                torch.tensor([p.top_k for p in sp], dtype=torch.long),
+                torch.tensor([p.top_p for p in sp], dtype=torch.float32),
+                torch.tensor([p.min_p for p in sp], dtype=torch.float32),
+            )
+            u = self._uniforms(s_rows, sp, output_token_ids)
+            out[s_rows] = sample_inverse_cdf(probs, u)
+
+        token_ids = out.to(torch.int32).numpy()
+        if not want_lp:
+            return SamplerOutput(token_ids)
+        return SamplerOutput(token_ids, self._logprobs(logits, out, params, want_lp))
+
+    def _uniforms(
+        self,
+        rows: list[int],
+        params: list[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        u = torch.empty(len(rows), dtype=torch.float64)
+        shared = [j for j, p in enumerate(params) if p.seed is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
+        for j, p in enumerate(params):
+            if p.seed is not None:
+                u[j] = seeded_uniform(p.seed, len(output_token_ids[rows[j]]))
+        return u
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor,
+        sampled: torch.Tensor,
+        params: list[SamplingParams],
+        rows: list[int],
+    ) -> list[TokenLogprobs | None]:
+        lp = torch.log_softmax(logits[rows].to(torch.float32), dim=-1)
+        tok = sampled[rows]
+        tok_lp = lp.gather(1, tok[:, None])
+        ranks = (lp > tok_lp).sum(dim=1) + 1
+        max_n = max(params[i].logprobs or 0 for i in rows)
+        top_v, top_i = lp.topk(max_n, dim=1) if max_n else (lp[:, :0], tok[:, None][:, :0])
+        res: list[TokenLogprobs | None] = [None] * len(params)
+        for j, i in enumerate(rows):
+            n = params[i].logprobs or 0
+            res[i] = TokenLogprobs(
+                token_ids=[int(tok[j])] + top_i[j, :n].tolist(),
+                logprobs=[float(tok_lp[j, 0])] + top_v[j, :n].tolist(),
+                sampled_rank=int(ranks[j]),
+            )
+        return res
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Probabilities [B, V] after temperature, top-k, top-p and min-p (masked entries are 0)."""
+    b, v = logits.shape
+    x = logits / temperature.clamp_min(1e-5)[:, None]
+    k = torch.where(top_k > 0, top_k.clamp_max(v), torch.full_like(top_k, v))
+    use_k = bool((k < v).any())
+    use_p = bool((top_p < 1.0).any())
+    if use_p:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        if use_k:
+            kth = sorted_x.gather(1, (k - 1)[:, None])
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        sp = torch.softmax(sorted_x, dim=-1)
+        before = sp.cumsum(dim=-1) - sp  # mass of strictly more likely tokens
+        drop = (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop[:, 0] = False
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    elif use_k:
+        kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if bool((min_p > 0).any()):
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token per row where the float64 cumulative distribution first exceeds u * total.
+
+    A zero-probability token never adds to the CDF, so it can never be the first to exceed u;
+    if rounding puts the target at the very end, the last token with nonzero probability is used."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = (u.to(torch.float64) * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    last_nonzero = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(idx, last_nonzero)
