@@ -1,0 +1,33 @@
+"""cffi (API mode) build of shm_engine._kernels_cffi: int8 GEMM, norms, RoPE, paged attention.
+
+Plain C11 + pthreads.  No -march: SIMD paths use per-function target attributes and are picked at
+run time (see native/kernels/gemm.c), so the module imports on any x86-64.
+"""
+
+import pathlib
+
+from cffi import FFI
+
+HERE = pathlib.Path(__file__).resolve().parent
+SRC = HERE / "kernels"
+SOURCES = ["pool.c", "gemm.c", "ops.c", "layer.c"]
+
+
+def _cdef() -> str:
+    lines = (SRC / "api.h").read_text().splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef())
+ffibuilder.set_source(
+    "shm_engine._kernels_cffi",
+    '#include "api.h"',
+    sources=[str(SRC / s) for s in SOURCES],
+    include_dirs=[str(SRC)],
+    extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
+    libraries=["pthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

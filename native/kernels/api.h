@@ -1,0 +1,101 @@
+/* Public C API of shm_engine._kernels_cffi.  build_kernels.py feeds the lines of this file that
+ * do not start with '#' to ffi.cdef(), so keep it to plain declarations.
+ *
+ * Conventions: all matrices are dense row-major; index arrays are int32 unless noted; float is fp32.
+ * Path ids: 0 = portable C, 1 = AVX2 (+FMA), 2 = AVX512-VNNI (F/BW/VL/VNNI). */
+#ifndef SHMK_API_H
+#define SHMK_API_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- dispatch and thread pool ---- */
+int shmk_best_path(void);                 /* best path this CPU supports */
+int shmk_get_path(void);                  /* path in use */
+int shmk_set_path(int path);              /* 0 on success, -1 if the CPU lacks it */
+int shmk_set_num_threads(int n);          /* resizes the persistent pool (n >= 1); returns n */
+int shmk_get_num_threads(void);
+
+/* ---- int8 weights: [nb = ceil(n/16)][kp/4][16 channels][4 k] int8, kp = ceil(k/4)*4 ---- */
+size_t shmk_packed_bytes(int64_t n, int64_t k);
+/* w fp32 [n,k] -> packed int8, scales[nb*16] (max|w|/127, 0 for padding), sums[nb*16] (sum_k q) */
+void shmk_pack_weights(const float *w, int64_t n, int64_t k, int8_t *packed, float *scales,
+                       int32_t *sums);
+void shmk_unpack_weights(const int8_t *packed, int64_t n, int64_t k, int8_t *out);
+
+/* ---- activations: per-row symmetric int8, xq[m][kp] (zero padded), scale = max|x|/127 ---- */
+int64_t shmk_padded_k(int64_t k);
+void shmk_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *scales);
+/* raw exact accumulators: acc[i][j] = sum_k xq[i][k] * q[j][k] (int32) */
+void shmk_gemm_s8_acc(const int8_t *xq, int64_t m, const int8_t *packed, const int32_t *sums,
+                      int64_t n, int64_t k, int32_t *acc);
+/* y[m,n] = dequant(quant(x) @ q^T) + bias  (bias may be NULL) */
+void shmk_linear(const float *x, int64_t m, int64_t k, const int8_t *packed, const float *wscales,
+                 const int32_t *wsums, const float *bias, int64_t n, float *y);
+
+/* ---- elementwise / normalisation ---- */
+/* if residual != NULL: x += residual (in place); then out = x * rsqrt(mean(x^2) + eps) * w */
+void shmk_rmsnorm(float *x, const float *residual, const float *w, int64_t m, int64_t h, float eps,
+                  float *out);
+/* NeoX/HF rotate_half RoPE in place.  q [t][hq][d], k [t][hk][d] (k may be NULL), pos int64 [t],
+ * cos_sin [max_pos][d]: first d/2 = cos(p*inv_freq), last d/2 = sin(p*inv_freq). */
+void shmk_rope(float *q, float *k, const int64_t *pos, int64_t t, int64_t hq, int64_t hk, int64_t d,
+               const float *cos_sin, int64_t max_pos);
+/* out[m][f] = silu(gu[m][f]) * gu[m][f + f_dim] */
+void shmk_silu_mul(const float *gu, int64_t m, int64_t f, float *out);
+
+/* ---- paged KV cache: k_cache, v_cache fp32 [num_blocks][block_size][hk][d] ---- */
+/* slot s -> (block s / block_size, offset s % block_size); slot < 0 is skipped. */
+void shmk_write_kv(const float *k, const float *v, const int64_t *slots, int64_t t, int64_t hk,
+                   int64_t d, float *k_cache, float *v_cache, int64_t num_slots);
+void shmk_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+                          const int32_t *block_table, int64_t max_blocks, const int32_t *seq_lens,
+                          const int32_t *query_start_loc, int64_t b, int64_t hq, int64_t hk,
+                          int64_t d, int64_t block_size, float scale, float *out);
+
+/* ---- one fused decoder layer ---- */
+typedef struct {
+    int64_t n, k;
+    const int8_t *packed;
+    const float *scales;
+    const int32_t *sums;
+    const float *bias; /* may be NULL */
+} shmk_linear_t;
+
+typedef struct {
+    int64_t hidden, hq, hk, d, ffn;
+    float eps;
+    const float *input_norm;      /* [hidden] */
+    const float *post_norm;       /* [hidden] */
+    shmk_linear_t qkv;            /* n = (hq + 2 hk) d, rows ordered q | k | v */
+    shmk_linear_t o;              /* n = hidden, k = hq d */
+    shmk_linear_t gate_up;        /* n = 2 ffn, rows ordered gate | up */
+    shmk_linear_t down;           /* n = hidden, k = ffn */
+} shmk_layer_t;
+
+typedef struct {
+    int64_t t;                    /* tokens in the batch */
+    int64_t b;                    /* sequences */
+    const int64_t *positions;     /* [t] */
+    const int64_t *slots;         /* [t] */
+    const int32_t *block_table;   /* [b][max_blocks] */
+    int64_t max_blocks;
+    const int32_t *seq_lens;      /* [b] */
+    const int32_t *query_start_loc; /* [b+1] */
+    int64_t block_size, num_slots;
+    const float *cos_sin;         /* [max_pos][d] */
+    int64_t max_pos;
+    float scale;                  /* attention softmax scale */
+    /* scratch, each at least as large as noted */
+    float *normed;                /* [t][hidden] */
+    float *qkv;                   /* [t][(hq+2hk) d] */
+    float *attn;                  /* [t][hq d] */
+    float *gate_up;               /* [t][2 ffn] */
+    float *act;                   /* [t][ffn] */
+} shmk_step_t;
+
+/* hidden [t][hidden] is the residual stream, updated in place:
+ *   h += o(attn(rope(qkv(rms(h))))) ; h += down(silu_mul(gate_up(rms(h)))) */
+void shmk_llama_layer_forward(const shmk_layer_t *layer, const shmk_step_t *step, float *hidden,
+                              float *k_cache, float *v_cache);
+
+#endif

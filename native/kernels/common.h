@@ -1,0 +1,43 @@
+/* Internal helpers shared by the kernel translation units. */
+#ifndef SHMK_COMMON_H
+#define SHMK_COMMON_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "api.h"
+
+enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2 };
+
+#define SHMK_NB 16 /* output channels per packed block */
+#define SHMK_KG 4  /* consecutive k per channel inside a block row */
+
+static inline int64_t shmk_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Current dispatch path (set once from the CPU / SHMK_PATH env, or by shmk_set_path). */
+int shmk_path(void);
+
+/* Persistent pthread pool.  fn(ctx, task, thread_id) is called once for every task in
+ * [0, ntasks); tasks are handed out dynamically, the caller's thread takes part.
+ * Returns when every task has finished.  Not reentrant: fn must not call shmk_parallel. */
+typedef void (*shmk_task_fn)(void *ctx, int64_t task, int tid);
+void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t ntasks);
+int shmk_threads(void);
+
+/* Thread-local growable scratch (64-byte aligned).  slot selects one of a few buffers. */
+void *shmk_scratch(int slot, size_t bytes);
+
+/* GEMM internals reused by the fused layer. */
+void shmk_linear_impl(const float *x, int64_t m, int64_t k, const int8_t *packed,
+                      const float *wscales, const int32_t *wsums, const float *bias, int64_t n,
+                      float *y, int accumulate);
+
+void shmk_rope_qkv(float *qkv, const int64_t *pos, int64_t t, int64_t hq, int64_t hk, int64_t d,
+                   const float *cos_sin, int64_t max_pos);
+void shmk_write_kv_qkv(const float *qkv, const int64_t *slots, int64_t t, int64_t hq, int64_t hk,
+                       int64_t d, float *k_cache, float *v_cache, int64_t num_slots);
+void shmk_attention_impl(const float *q, int64_t q_stride, const float *k_cache,
+                         const float *v_cache, const int32_t *block_table, int64_t max_blocks,
+                         const int32_t *seq_lens, const int32_t *qsl, int64_t b, int64_t hq,
+                         int64_t hk, int64_t d, int64_t block_size, float scale, float *out);
+
+#endif

@@ -1,0 +1,192 @@
+/* A small persistent thread pool for 1-few cores.
+ *
+ * Workers wait for a new "generation" of work: they spin briefly (bounded by the TSC, ~30 us, so
+ * back-to-back GEMMs inside one decoder layer do not pay a futex wake-up) and then park on a
+ * futex.  The caller bumps the generation, wakes sleepers only if there are any, runs tasks
+ * itself, and waits (spin, then futex) for the workers to drain.  Tasks come from one atomic
+ * counter, so a slow (preempted) thread simply takes fewer tasks. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <x86intrin.h>
+
+#include "common.h"
+
+#define MAX_THREADS 64
+#define SPIN_CYCLES 80000ULL /* ~30 us at 2.5 GHz TSC */
+
+static void futex_wait(atomic_int *addr, int val) {
+    syscall(SYS_futex, (int *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+static void futex_wake(atomic_int *addr, int n) {
+    syscall(SYS_futex, (int *)addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+}
+
+static struct {
+    pthread_mutex_t lock; /* serialises shmk_parallel callers and resizes */
+    int nthreads;         /* including the caller */
+    pthread_t tids[MAX_THREADS];
+    atomic_int gen;       /* bumped for each job (futex word for parked workers) */
+    atomic_int sleepers;  /* workers parked on gen */
+    atomic_int done;      /* tasks finished in the current job (futex word for the caller) */
+    atomic_int waiting;   /* caller parked on done */
+    atomic_int stop;
+    /* claim word: job generation (high 32 bits) | tasks still unclaimed (low 32 bits).  A worker
+     * that wakes late cannot claim a task of a finished job, and while it holds a claim the job
+     * cannot finish, so fn/ctx/ntasks below are stable for it. */
+    _Atomic uint64_t claim;
+    shmk_task_fn fn;
+    void *ctx;
+    int64_t ntasks;
+    int initialised;
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* Claim and run tasks of job generation g until none are left. */
+static void run_tasks(uint32_t g, int tid) {
+    uint64_t v = atomic_load(&P.claim);
+    for (;;) {
+        if ((uint32_t)(v >> 32) != g || (uint32_t)v == 0) return;
+        if (!atomic_compare_exchange_weak(&P.claim, &v, v - 1)) continue;
+        int64_t task = P.ntasks - (int64_t)(uint32_t)v;
+        P.fn(P.ctx, task, tid);
+        int d = atomic_fetch_add(&P.done, 1) + 1;
+        if (d == P.ntasks && atomic_load(&P.waiting)) futex_wake(&P.done, 1);
+        v = atomic_load(&P.claim);
+    }
+}
+
+static void *worker(void *arg) {
+    int tid = (int)(intptr_t)arg;
+    int seen = atomic_load(&P.gen);
+    for (;;) {
+        unsigned long long t0 = __rdtsc();
+        while (atomic_load_explicit(&P.gen, memory_order_acquire) == seen) {
+            if (__rdtsc() - t0 < SPIN_CYCLES) {
+                _mm_pause();
+                continue;
+            }
+            atomic_fetch_add(&P.sleepers, 1);
+            if (atomic_load(&P.gen) == seen) futex_wait(&P.gen, seen);
+            atomic_fetch_sub(&P.sleepers, 1);
+            t0 = __rdtsc();
+        }
+        seen = atomic_load(&P.gen);
+        if (atomic_load(&P.stop)) return NULL;
+        run_tasks((uint32_t)seen, tid);
+    }
+}
+
+static void stop_workers(void) {
+    if (P.nthreads <= 1) return;
+    atomic_store(&P.stop, 1);
+    atomic_fetch_add(&P.gen, 1);
+    futex_wake(&P.gen, INT_MAX);
+    for (int i = 1; i < P.nthreads; i++) pthread_join(P.tids[i], NULL);
+    atomic_store(&P.stop, 0);
+    P.nthreads = 1;
+}
+
+static int start_workers(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    P.nthreads = 1;
+    for (int i = 1; i < n; i++) {
+        if (pthread_create(&P.tids[i], NULL, worker, (void *)(intptr_t)i) != 0) break;
+        P.nthreads = i + 1;
+    }
+    return P.nthreads;
+}
+
+static int default_threads(void) {
+    const char *env = getenv("SHMK_NUM_THREADS");
+    if (env && atoi(env) > 0) return atoi(env);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static void ensure_init(void) {
+    if (!P.initialised) {
+        P.initialised = 1;
+        start_workers(default_threads());
+    }
+}
+
+int shmk_set_num_threads(int n) {
+    pthread_mutex_lock(&P.lock);
+    P.initialised = 1;
+    stop_workers();
+    int r = start_workers(n);
+    pthread_mutex_unlock(&P.lock);
+    return r;
+}
+
+int shmk_get_num_threads(void) {
+    pthread_mutex_lock(&P.lock);
+    ensure_init();
+    int n = P.nthreads;
+    pthread_mutex_unlock(&P.lock);
+    return n;
+}
+
+int shmk_threads(void) { return shmk_get_num_threads(); }
+
+void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t ntasks) {
+    if (ntasks <= 0) return;
+    pthread_mutex_lock(&P.lock);
+    ensure_init();
+    if (ntasks == 1 || P.nthreads == 1) {
+        pthread_mutex_unlock(&P.lock);
+        for (int64_t t = 0; t < ntasks; t++) fn(ctx, t, 0);
+        return;
+    }
+    P.fn = fn;
+    P.ctx = ctx;
+    P.ntasks = ntasks;
+    atomic_store(&P.done, 0);
+    uint32_t g = (uint32_t)atomic_load(&P.gen) + 1;
+    atomic_store(&P.claim, ((uint64_t)g << 32) | (uint64_t)ntasks);
+    atomic_store(&P.gen, (int)g); /* seq_cst: pairs with the sleepers check in worker() */
+    if (atomic_load(&P.sleepers) > 0) futex_wake(&P.gen, INT_MAX);
+    run_tasks(g, 0);
+    /* Only tasks a worker already claimed can still be running: wait for those. */
+    unsigned long long t0 = __rdtsc();
+    int d;
+    while ((d = atomic_load_explicit(&P.done, memory_order_acquire)) != ntasks) {
+        if (__rdtsc() - t0 < SPIN_CYCLES) {
+            _mm_pause();
+            continue;
+        }
+        atomic_store(&P.waiting, 1);
+        if (atomic_load(&P.done) == d) futex_wait(&P.done, d);
+        atomic_store(&P.waiting, 0);
+    }
+    pthread_mutex_unlock(&P.lock);
+}
+
+/* ---- thread-local scratch ---- */
+#define NSLOTS 8
+static _Thread_local struct {
+    void *p;
+    size_t n;
+} scratch[NSLOTS];
+
+void *shmk_scratch(int slot, size_t bytes) {
+    if (scratch[slot].n < bytes) {
+        free(scratch[slot].p);
+        size_t n = bytes + bytes / 4 + 4096;
+        n = (n + 63) & ~(size_t)63;
+        scratch[slot].p = aligned_alloc(64, n);
+        scratch[slot].n = scratch[slot].p ? n : 0;
+    }
+    return scratch[slot].p;
+}

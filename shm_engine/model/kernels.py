@@ -1,0 +1,624 @@
+"""Python wrapper of the native int8 / fp32 kernels (``shm_engine._kernels_cffi``).
+
+This is the only module that imports the cffi extension.  Every function takes CPU torch tensors,
+checks dtype / shape / contiguity and raises ``ValueError`` / ``TypeError`` with a clear message
+before calling into C; the C code releases the GIL and runs on a persistent pthread pool
+(``set_num_threads``).
+
+Quantisation (identical on every dispatch path, so paths and thread counts agree bit for bit):
+
+* weights, once at load: per output channel ``q = rint(w * 127 / max|w|)`` in [-127, 127],
+  ``scale = max|w| / 127``; packed in blocks of 16 channels x 4 consecutive k (64 bytes, one
+  AVX512 register / two AVX2 registers per k-group); N padded to 16 and K to 4 with zeros;
+* activations, per call: per row (token) ``xq = rint(x * 127 / max|x|)`` in [-127, 127] (int8,
+  symmetric), ``sx = max|x| / 127``;
+* ``acc = sum_k xq * q`` exactly in int32 (AVX512-VNNI feeds ``xq + 128`` as u8 to vpdpbusd and
+  subtracts ``128 * sum_k q`` per channel; AVX2 uses |xq| * (q * sign(xq)) with vpmaddubsw, which
+  cannot saturate for operands in [-127, 127]);
+* ``y = float(acc) * (sx * sw) + bias``.
+
+KV cache layout (per layer): ``k_cache, v_cache: float32 [num_blocks, block_size, Hkv, D]``; token
+slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from shm_engine._kernels_cffi import ffi, lib
+
+__all__ = [
+    "PATHS",
+    "LayerScratch",
+    "LayerStep",
+    "LlamaLayer",
+    "PackedLinear",
+    "best_path",
+    "gemm_s8_acc",
+    "get_num_threads",
+    "get_path",
+    "linear",
+    "llama_layer_forward",
+    "padded_k",
+    "paged_attention",
+    "quantize_rows",
+    "rmsnorm",
+    "rope",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "set_num_threads",
+    "set_path",
+    "silu_mul",
+    "use_path",
+    "write_kv",
+]
+
+PATHS = {"portable": 0, "avx2": 1, "vnni": 2}
+_PATH_NAMES = {v: k for k, v in PATHS.items()}
+BLOCK_N = 16  # output channels per packed block
+
+
+# --------------------------------------------------------------------------- dispatch / threads
+def best_path() -> str:
+    """Fastest path this CPU supports: "vnni", "avx2" or "portable"."""
+    return _PATH_NAMES[lib.shmk_best_path()]
+
+
+def get_path() -> str:
+    """Path in use (default: best_path(), or $SHMK_PATH if set to a supported one)."""
+    return _PATH_NAMES[lib.shmk_get_path()]
+
+
+def set_path(name: str) -> None:
+    """Force a dispatch path ("portable", "avx2", "vnni"); ValueError if the CPU lacks it."""
+    if name not in PATHS:
+        raise ValueError(f"unknown kernel path {name!r}; expected one of {sorted(PATHS)}")
+    if lib.shmk_set_path(PATHS[name]) != 0:
+        raise ValueError(f"kernel path {name!r} is not supported by this CPU (best: {best_path()})")
+
+
+@contextlib.contextmanager
+def use_path(name: str) -> Iterator[None]:
+    """Temporarily force a dispatch path (process wide)."""
+    old = get_path()
+    set_path(name)
+    try:
+        yield
+    finally:
+        set_path(old)
+
+
+def set_num_threads(n: int) -> int:
+    """Resize the kernel thread pool (the calling thread counts as one); returns the new size."""
+    if int(n) < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    return int(lib.shmk_set_num_threads(int(n)))
+
+
+def get_num_threads() -> int:
+    return int(lib.shmk_get_num_threads())
+
+
+def padded_k(k: int) -> int:
+    """K rounded up to a multiple of 4 (row length of quantised activations)."""
+    return int(lib.shmk_padded_k(k))
+
+
+# --------------------------------------------------------------------------- validation helpers
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype | Sequence[torch.dtype], ndim: int):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def _shape(t: torch.Tensor, name: str, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _f32(t: torch.Tensor):
+    return ffi.cast("float *", t.data_ptr())
+
+
+def _i32(t: torch.Tensor):
+    return ffi.cast("int32_t *", t.data_ptr())
+
+
+def _i64(t: torch.Tensor):
+    return ffi.cast("int64_t *", t.data_ptr())
+
+
+def _i8(t: torch.Tensor):
+    return ffi.cast("int8_t *", t.data_ptr())
+
+
+def _as_i64(t: torch.Tensor, name: str) -> torch.Tensor:
+    _check(t, name, (torch.int64, torch.int32), 1)
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
+def _as_i32(t: torch.Tensor, name: str, ndim: int) -> torch.Tensor:
+    _check(t, name, (torch.int32, torch.int64), ndim)
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+# --------------------------------------------------------------------------- int8 linear
+class PackedLinear:
+    """An int8 weight packed for the native GEMM (build once at load with ``from_float``).
+
+    Attributes: ``n``, ``k`` (logical shape [n, k]), ``packed`` (int8, flat, ceil(n/16)*16 * kp
+    bytes), ``scales`` (fp32 [ceil(n/16)*16], 0 for padding), ``sums`` (int32, per-channel sum of
+    the int8 weights, for the VNNI +128 compensation), ``bias`` (fp32 [n] or None).
+    """
+
+    __slots__ = ("n", "k", "kp", "packed", "scales", "sums", "bias", "_c")
+
+    def __init__(self, n, k, packed, scales, sums, bias=None):
+        self.n, self.k, self.kp = int(n), int(k), padded_k(k)
+        self.packed, self.scales, self.sums, self.bias = packed, scales, sums, bias
+        c = ffi.new("shmk_linear_t *")
+        c.n, c.k = self.n, self.k
+        c.packed = _i8(packed)
+        c.scales = _f32(scales)
+        c.sums = _i32(sums)
+        c.bias = _f32(bias) if bias is not None else ffi.NULL
+        self._c = c
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        """Quantise and pack a float weight [n, k] (any float dtype; copied to fp32 if needed)."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
+        if not weight.is_floating_point():
+            raise TypeError(f"weight must be floating point, got {weight.dtype}")
+        w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        n, k = w.shape
+        if n < 1 or k < 1:
+            raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
+        npad = -(-n // BLOCK_N) * BLOCK_N
+        packed = torch.empty(int(lib.shmk_packed_bytes(n, k)), dtype=torch.int8)
+        scales = torch.empty(npad, dtype=torch.float32)
+        sums = torch.empty(npad, dtype=torch.int32)
+        lib.shmk_pack_weights(_f32(w), n, k, _i8(packed), _f32(scales), _i32(sums))
+        b = None
+        if bias is not None:
+            b = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            _shape(b, "bias", (n,))
+        return cls(n, k, packed, scales, sums, b)
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.bias.numel() * 4 if self.bias is not None else 0
+        return self.packed.numel() + self.scales.numel() * 4 + self.sums.numel() * 4 + extra
+
+    def unpack_int8(self) -> torch.Tensor:
+        """The int8 weights q [n, k] back out of the packed layout (for tests)."""
+        out = torch.empty(self.n, self.k, dtype=torch.int8)
+        lib.shmk_unpack_weights(_i8(self.packed), self.n, self.k, _i8(out))
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32 [n, k] = q * scale (what the int8 GEMM effectively multiplies by)."""
+        return self.unpack_int8().float() * self.scales[: self.n, None]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self, out)
+
+    def __repr__(self) -> str:
+        bias = ", bias" if self.bias is not None else ""
+        return f"PackedLinear(n={self.n}, k={self.k}{bias})"
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: returns (xq int8 [m, padded_k(k)] zero-padded, scales fp32 [m])."""
+    _check(x, "x", torch.float32, 2)
+    m, k = x.shape
+    xq = torch.empty(m, padded_k(k), dtype=torch.int8)
+    scales = torch.empty(m, dtype=torch.float32)
+    lib.shmk_quantize_rows(_f32(x), m, k, _i8(xq), _f32(scales))
+    return xq, scales
+
+
+def gemm_s8_acc(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    """Exact int32 accumulators acc[m, n] = xq[:, :k] @ q^T (xq int8 [m, padded_k(k)])."""
+    _check(xq, "xq", torch.int8, 2)
+    if xq.shape[1] != w.kp:
+        raise ValueError(f"xq must have {w.kp} columns (padded k of {w.k}), got {xq.shape[1]}")
+    m = xq.shape[0]
+    acc = torch.empty(m, w.n, dtype=torch.int32)
+    if m:
+        lib.shmk_gemm_s8_acc(_i8(xq), m, _i8(w.packed), _i32(w.sums), w.n, w.k, _i32(acc))
+    return acc
+
+
+def linear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., n] = x[..., k] @ W^T (+ bias) via dynamic int8 quantisation of x; fp32 in and out."""
+    if not isinstance(w, PackedLinear):
+        raise TypeError(f"w must be a PackedLinear, got {type(w).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("x must be a torch.Tensor with at least one dimension")
+    if x.shape[-1] != w.k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects k={w.k}")
+    _check(x, "x", torch.float32, x.dim())
+    lead = tuple(x.shape[:-1])
+    m = math.prod(lead)
+    if out is None:
+        out = torch.empty(*lead, w.n, dtype=torch.float32)
+    else:
+        _check(out, "out", torch.float32, x.dim())
+        _shape(out, "out", (*lead, w.n))
+    if m:
+        c = w._c
+        lib.shmk_linear(_f32(x), m, w.k, c.packed, c.scales, c.sums, c.bias, w.n, _f32(out))
+    return out
+
+
+# --------------------------------------------------------------------------- elementwise
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out = x * rsqrt(mean(x^2, -1) + eps) * weight for x [m, h] fp32.
+
+    With ``residual``: first ``x += residual`` in place (x is the residual stream), then normalise.
+    ``out`` may be omitted (allocated) but must not alias x.
+    """
+    _check(x, "x", torch.float32, 2)
+    m, h = x.shape
+    _check(weight, "weight", torch.float32, 1)
+    _shape(weight, "weight", (h,))
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        _check(out, "out", torch.float32, 2)
+        _shape(out, "out", (m, h))
+    res = ffi.NULL
+    if residual is not None:
+        _check(residual, "residual", torch.float32, 2)
+        _shape(residual, "residual", (m, h))
+        res = _f32(residual)
+    lib.shmk_rmsnorm(_f32(x), res, _f32(weight), m, h, float(eps), _f32(out))
+    return out
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Default Llama inverse frequencies, computed like HF: 1 / theta^(arange(0, d, 2) / d)."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exps)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_pos: int) -> torch.Tensor:
+    """Table [max_pos, d] fp32: [:, :d/2] = cos(p * inv_freq), [:, d/2:] = sin(p * inv_freq).
+
+    Pass a scaled ``inv_freq`` (llama3 / linear / NTK) to get scaled RoPE; ``freqs`` is formed in
+    fp32 exactly like HF (outer(positions, inv_freq)).
+    """
+    _check(inv_freq, "inv_freq", torch.float32, 1)
+    t = torch.arange(max_pos, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+) -> None:
+    """In-place NeoX / HF rotate_half RoPE: pairs (i, i + d/2) of q [t, hq, d] and k [t, hk, d].
+
+    positions: int64 or int32 [t] (clamped to the table); cos_sin from ``rope_cos_sin``.
+    """
+    _check(q, "q", torch.float32, 3)
+    t, hq, d = q.shape
+    if d % 2:
+        raise ValueError(f"head_dim must be even, got {d}")
+    hk = 0
+    if k is not None:
+        _check(k, "k", torch.float32, 3)
+        if k.shape[0] != t or k.shape[2] != d:
+            raise ValueError(f"k must be [{t}, hk, {d}], got {tuple(k.shape)}")
+        hk = k.shape[1]
+    pos = _as_i64(positions, "positions")
+    _shape(pos, "positions", (t,))
+    _check(cos_sin, "cos_sin", torch.float32, 2)
+    if cos_sin.shape[1] != d:
+        raise ValueError(f"cos_sin must be [max_pos, {d}], got {tuple(cos_sin.shape)}")
+    kp = _f32(k) if k is not None else ffi.NULL
+    lib.shmk_rope(_f32(q), kp, _i64(pos), t, hq, hk, d, _f32(cos_sin), cos_sin.shape[0])
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[m, f] = silu(gate_up[:, :f]) * gate_up[:, f:] for gate_up [m, 2f] fp32."""
+    _check(gate_up, "gate_up", torch.float32, 2)
+    m, f2 = gate_up.shape
+    if f2 % 2:
+        raise ValueError(f"gate_up must have an even number of columns, got {f2}")
+    f = f2 // 2
+    if out is None:
+        out = torch.empty(m, f, dtype=torch.float32)
+    else:
+        _check(out, "out", torch.float32, 2)
+        _shape(out, "out", (m, f))
+    if m:
+        lib.shmk_silu_mul(_f32(gate_up), m, f, _f32(out))
+    return out
+
+
+# --------------------------------------------------------------------------- paged KV / attention
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    _check(k_cache, "k_cache", torch.float32, 4)
+    _check(v_cache, "v_cache", torch.float32, 4)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}"
+        )
+    return tuple(k_cache.shape)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """k_cache.view(-1, hk, d)[slot_mapping[i]] = k[i] (same for v); negative slots are skipped."""
+    nb, bs, hk, d = _check_cache(k_cache, v_cache)
+    _check(k, "k", torch.float32, 3)
+    _check(v, "v", torch.float32, 3)
+    t = k.shape[0]
+    _shape(k, "k", (t, hk, d))
+    _shape(v, "v", (t, hk, d))
+    slots = _as_i64(slot_mapping, "slot_mapping")
+    _shape(slots, "slot_mapping", (t,))
+    if t and int(slots.max()) >= nb * bs:
+        raise ValueError(f"slot_mapping has a slot >= num_blocks * block_size = {nb * bs}")
+    lib.shmk_write_kv(
+        _f32(k), _f32(v), _i64(slots), t, hk, d, _f32(k_cache), _f32(v_cache), nb * bs
+    )
+
+
+def _check_batch(block_table, seq_lens, query_start_loc, t: int, num_blocks: int, bs: int):
+    bt = _as_i32(block_table, "block_table", 2)
+    sl = _as_i32(seq_lens, "seq_lens", 1)
+    qsl = _as_i32(query_start_loc, "query_start_loc", 1)
+    b = sl.shape[0]
+    _shape(qsl, "query_start_loc", (b + 1,))
+    if bt.shape[0] != b:
+        raise ValueError(f"block_table must have {b} rows (one per sequence), got {bt.shape[0]}")
+    if b:
+        q_lens = qsl[1:] - qsl[:-1]
+        if int(qsl[0]) != 0 or int(qsl[-1]) != t:
+            raise ValueError(f"query_start_loc must run from 0 to the token count {t}")
+        if bool((q_lens < 0).any()) or bool((q_lens > sl).any()):
+            raise ValueError("need 0 <= q_len <= seq_len for every sequence")
+        if int(sl.max()) > bt.shape[1] * bs:
+            raise ValueError(f"seq_len exceeds block_table capacity {bt.shape[1]} x {bs}")
+        if _bad_blocks(bt, sl, bs, num_blocks):
+            raise ValueError(f"block_table references a block outside [0, {num_blocks})")
+    return bt, sl, qsl
+
+
+def _bad_blocks(bt, sl, bs, num_blocks) -> bool:
+    nblk = (sl + bs - 1) // bs
+    cols = torch.arange(bt.shape[1], dtype=torch.int32)
+    live = cols[None, :] < nblk[:, None]
+    return bool(((bt < 0) | (bt >= num_blocks))[live].any())
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [t, hq, d] over a paged cache, for mixed prefill/decode batches.
+
+    Sequence b owns query rows query_start_loc[b]:query_start_loc[b+1] (q_len of them); they are
+    the LAST q_len tokens of its seq_lens[b] kv positions (which must already be in the cache), so
+    query token i attends to kv positions 0 .. seq_len - q_len + i.  block_table [b, max_blocks]
+    int32 maps position p to cache block block_table[b, p // block_size].  GQA: hq % hk == 0,
+    q head h reads kv head h // (hq // hk).  Returns out [t, hq, d] fp32.
+    """
+    nb, bs, hk, d = _check_cache(k_cache, v_cache)
+    _check(q, "q", torch.float32, 3)
+    t, hq, dq = q.shape
+    if dq != d:
+        raise ValueError(f"q head_dim {dq} != cache head_dim {d}")
+    if hq % hk:
+        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+    if d > 1024:
+        raise ValueError(f"head_dim must be <= 1024, got {d}")
+    bt, sl, qsl = _check_batch(block_table, seq_lens, query_start_loc, t, nb, bs)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check(out, "out", torch.float32, 3)
+        _shape(out, "out", (t, hq, d))
+    b = sl.shape[0]
+    if t and b:
+        lib.shmk_paged_attention(
+            _f32(q), _f32(k_cache), _f32(v_cache), _i32(bt), bt.shape[1], _i32(sl), _i32(qsl),
+            b, hq, hk, d, bs, float(scale), _f32(out),
+        )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- fused decoder layer
+class LlamaLayer:
+    """Packed weights of one Llama-family decoder layer for ``llama_layer_forward``.
+
+    qkv rows are [q (hq*d) | k (hk*d) | v (hk*d)], gate_up rows are [gate (ffn) | up (ffn)].
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        ffn: int,
+        eps: float,
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        qkv: PackedLinear,
+        o: PackedLinear,
+        gate_up: PackedLinear,
+        down: PackedLinear,
+    ):
+        hq, hk, d = num_heads, num_kv_heads, head_dim
+        if hq % hk:
+            raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
+        expect = {
+            "qkv": (qkv, (hq + 2 * hk) * d, hidden),
+            "o": (o, hidden, hq * d),
+            "gate_up": (gate_up, 2 * ffn, hidden),
+            "down": (down, hidden, ffn),
+        }
+        for name, (lin, n, k) in expect.items():
+            if not isinstance(lin, PackedLinear):
+                raise TypeError(f"{name} must be a PackedLinear")
+            if (lin.n, lin.k) != (n, k):
+                raise ValueError(f"{name} must be [{n}, {k}], got [{lin.n}, {lin.k}]")
+        norms = []
+        for name, t in (("input_norm", input_norm), ("post_norm", post_norm)):
+            t = t.detach().to(torch.float32).contiguous()
+            _check(t, name, torch.float32, 1)
+            _shape(t, name, (hidden,))
+            norms.append(t)
+        self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn = (
+            hidden,
+            hq,
+            hk,
+            d,
+            ffn,
+        )
+        self.eps = float(eps)
+        self.input_norm, self.post_norm = norms
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        c = ffi.new("shmk_layer_t *")
+        c.hidden, c.hq, c.hk, c.d, c.ffn, c.eps = hidden, hq, hk, d, ffn, self.eps
+        c.input_norm, c.post_norm = _f32(norms[0]), _f32(norms[1])
+        c.qkv, c.o, c.gate_up, c.down = qkv._c[0], o._c[0], gate_up._c[0], down._c[0]
+        self._c = c
+
+
+class LayerScratch:
+    """Reusable fp32 work buffers for up to ``max_tokens`` tokens of one layer shape."""
+
+    def __init__(self, layer: LlamaLayer, max_tokens: int):
+        t, h, d = int(max_tokens), layer.hidden, layer.head_dim
+        hq, hk, f = layer.num_heads, layer.num_kv_heads, layer.ffn
+        self.max_tokens = t
+        self.normed = torch.empty(t, h)
+        self.qkv = torch.empty(t, (hq + 2 * hk) * d)
+        self.attn = torch.empty(t, hq * d)
+        self.gate_up = torch.empty(t, 2 * f)
+        self.act = torch.empty(t, f)
+        self.dims = (h, hq, hk, d, f)
+
+
+class LayerStep:
+    """Per-step batch metadata (validated once) shared by every layer of one forward pass.
+
+    positions [t] and slot_mapping [t] (int64 or int32), block_table [b, max_blocks],
+    seq_lens [b] and query_start_loc [b+1] (int32 or int64), cos_sin from ``rope_cos_sin``.
+    The cache geometry (num_blocks, block_size) must match the caches given to the forward.
+    """
+
+    def __init__(
+        self,
+        *,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        cos_sin: torch.Tensor,
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+        scratch: LayerScratch,
+    ):
+        pos = _as_i64(positions, "positions")
+        t = pos.shape[0]
+        if t > scratch.max_tokens:
+            raise ValueError(f"{t} tokens exceed the scratch capacity {scratch.max_tokens}")
+        slots = _as_i64(slot_mapping, "slot_mapping")
+        _shape(slots, "slot_mapping", (t,))
+        if t and int(slots.max()) >= num_blocks * block_size:
+            raise ValueError("slot_mapping has a slot >= num_blocks * block_size")
+        bt, sl, qsl = _check_batch(
+            block_table, seq_lens, query_start_loc, t, num_blocks, block_size
+        )
+        _check(cos_sin, "cos_sin", torch.float32, 2)
+        d = scratch.dims[3]
+        if cos_sin.shape[1] != d:
+            raise ValueError(f"cos_sin must be [max_pos, {d}], got {tuple(cos_sin.shape)}")
+        self.t, self.num_blocks, self.block_size = t, int(num_blocks), int(block_size)
+        self.scratch = scratch
+        self._keep = (pos, slots, bt, sl, qsl, cos_sin)
+        c = ffi.new("shmk_step_t *")
+        c.t, c.b = t, sl.shape[0]
+        c.positions, c.slots = _i64(pos), _i64(slots)
+        c.block_table, c.max_blocks = _i32(bt), bt.shape[1]
+        c.seq_lens, c.query_start_loc = _i32(sl), _i32(qsl)
+        c.block_size, c.num_slots = self.block_size, self.num_blocks * self.block_size
+        c.cos_sin, c.max_pos = _f32(cos_sin), cos_sin.shape[0]
+        c.scale = float(scale)
+        c.normed, c.qkv, c.attn = _f32(scratch.normed), _f32(scratch.qkv), _f32(scratch.attn)
+        c.gate_up, c.act = _f32(scratch.gate_up), _f32(scratch.act)
+        self._c = c
+
+
+def llama_layer_forward(
+    layer: LlamaLayer,
+    step: LayerStep,
+    hidden: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """One decoder layer in a single native call; ``hidden`` [t, hidden] fp32 is updated in place.
+
+    hidden += o_proj(attn(rope(qkv(rmsnorm(hidden)))));  hidden += down(silu*up(rmsnorm(hidden))).
+    The new k/v of the step's tokens are written to the caches at ``slot_mapping`` first.
+    """
+    if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+        raise ValueError("hidden must be a contiguous float32 tensor")
+    if tuple(hidden.shape) != (step.t, layer.hidden):
+        raise ValueError(f"hidden must be [{step.t}, {layer.hidden}], got {tuple(hidden.shape)}")
+    shape = (step.num_blocks, step.block_size, layer.num_kv_heads, layer.head_dim)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != torch.float32 or not c.is_contiguous() or tuple(c.shape) != shape:
+            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}")
+    if step.scratch.dims != (
+        layer.hidden,
+        layer.num_heads,
+        layer.num_kv_heads,
+        layer.head_dim,
+        layer.ffn,
+    ):
+        raise ValueError("step scratch was sized for a different layer shape")
+    lib.shmk_llama_layer_forward(layer._c, step._c, _f32(hidden), _f32(k_cache), _f32(v_cache))
