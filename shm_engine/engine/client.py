@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import queue
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any
+
+import msgspec
 
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.protocol import (
@@ -95,7 +98,6 @@ class SyncMPClient:
     """Spawns an engine process and exchanges messages with it over a shared-memory channel."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
-        from shm_engine.engine.core_proc import run_engine_core
         from shm_engine.ipc import ChannelListener
 
         self.config = config
@@ -106,14 +108,12 @@ class SyncMPClient:
         self._lock = threading.Lock()
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self.listener = ChannelListener()
-        ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(
-            target=run_engine_core,
-            args=([self.listener.address], 0),
-            name="EngineCore_0",
-            daemon=True,
+        # NOTE: a fresh interpreter (not multiprocessing's spawn) so the user's __main__ is never
+        # re-imported in the engine and scripts need no `if __name__ == "__main__"` guard.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shm_engine.engine.core_proc", self.listener.address],
+            stdin=subprocess.DEVNULL,
         )
-        self.proc.start()
         try:
             self.channel = self._accept(startup_timeout)
             hello = self.channel.recv(timeout=startup_timeout)
@@ -144,9 +144,9 @@ class SyncMPClient:
                     timeout=0.5, recv_type=EngineMessage | EngineHello | EngineReady
                 )
             except TimeoutError:
-                if not self.proc.is_alive():
+                if self.proc.poll() is not None:
                     raise EngineDeadError(
-                        f"engine process exited with code {self.proc.exitcode} before connecting"
+                        f"engine process exited with code {self.proc.returncode} before connecting"
                     ) from None
                 if time.monotonic() > deadline:
                     raise
@@ -244,7 +244,7 @@ class SyncMPClient:
         return fut
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = 300.0) -> Any:
-        return self.call_utility_async(method, *args).result(timeout=timeout)
+        return _typed(method, self.call_utility_async(method, *args).result(timeout=timeout))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Close the channel (the engine sees it and exits), then reap the process."""
@@ -252,18 +252,22 @@ class SyncMPClient:
             return
         self._closing = True
         self.channel.close()
-        self.proc.join(timeout)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
         self._kill()
         self._receiver.join(timeout=2.0)
         self.listener.close()
 
     def _kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.join(5.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     def __enter__(self):
         return self
@@ -298,4 +302,11 @@ class AsyncMPClient(SyncMPClient):
         return item
 
     async def call_utility_coro(self, method: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self.call_utility_async(method, *args))
+        return _typed(method, await asyncio.wrap_future(self.call_utility_async(method, *args)))
+
+
+def _typed(method: str, result: Any) -> Any:
+    from shm_engine.engine.core_proc import UTILITY_METHODS
+
+    kind = UTILITY_METHODS.get(method)
+    return result if kind is None or result is None else msgspec.convert(result, kind)

@@ -33,25 +33,25 @@ from shm_engine.engine.protocol import (
     EngineReady,
     EngineStartup,
     RequestError,
+    SchedulerStats,
     UtilityCall,
     UtilityOutput,
 )
 
 logger = logging.getLogger(__name__)
 
-# Only these EngineCore methods may be called by name from a client.
-UTILITY_METHODS = frozenset(
-    {
-        "get_stats",
-        "reset_prefix_cache",
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "profile",
-        "execute_dummy_batch",
-        "echo",
-    }
-)
+# Only these EngineCore methods may be called by name from a client, with the type their result
+# is converted back to on the client (results cross the ring as plain msgpack).
+UTILITY_METHODS: dict[str, type | None] = {
+    "get_stats": SchedulerStats,
+    "reset_prefix_cache": int,
+    "sleep": None,
+    "wake_up": None,
+    "is_sleeping": bool,
+    "profile": None,
+    "execute_dummy_batch": None,
+    "echo": None,
+}
 
 _SHUTDOWN = object()
 
@@ -308,3 +308,9 @@ def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
         raise SystemExit(1) from e
     if proc is not None:
         proc.shutdown()
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_engine_core(sys.argv[1:2], int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -30,10 +30,11 @@ class LLM:
     """Runs an engine (in another process by default) and generates for batches of prompts."""
 
     def __init__(self, model: str | None = None, *, in_process: bool = False, **engine_args: Any):
-        from shm_engine.model.loader import load_tokenizer
+        from shm_engine.model.loader import load_model
 
         self.config = EngineConfig(model=model, **engine_args)
-        self.tokenizer = load_tokenizer(model)
+        # NOTE: load_model is lazy (weights are read on access), so this only parses metadata.
+        self.tokenizer = load_model(model).tokenizer
         self.client = InprocClient(self.config) if in_process else SyncMPClient(self.config)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

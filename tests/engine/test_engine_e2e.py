@@ -1,0 +1,270 @@
+"""End to end: the real default model behind real engine processes and shared-memory rings.
+
+Slow (model load per engine process), so engines are shared per module where the test allows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shm_engine.engine.client import EngineDeadError, SyncMPClient, UtilityError
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.protocol import EngineCoreRequest
+from shm_engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+DTYPE = os.environ.get("SHM_ENGINE_TEST_DTYPE", "int8")
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(dtype=DTYPE, num_kv_blocks=512, max_num_seqs=64, max_num_batched_tokens=512)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def request(rid: str, tokens, max_tokens=8, **sp) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=np.asarray(tokens, dtype=np.int32),
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sp),
+        arrival_time=time.time(),
+    )
+
+
+def collect(client, rids, timeout=120.0, abort_after: dict[str, int] | None = None):
+    """Drive the client until every rid finished; returns {rid: (tokens, finish_reason, error)}."""
+    tokens = {r: [] for r in rids}
+    done: dict[str, tuple] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < len(rids):
+        assert time.monotonic() < deadline, f"timed out; finished {sorted(done)}"
+        out = client.get_output(timeout=1.0)
+        if out is None:
+            continue
+        for err in out.errors:
+            if err.request_id in rids and err.request_id not in done:
+                done[err.request_id] = ([], "error", err.message)
+        k = 0
+        for row, (rid, n) in enumerate(zip(out.request_ids, out.num_new_tokens, strict=True)):
+            k += n
+            if rid not in tokens or rid in done:
+                continue  # a late token of an aborted request, or another test's leftovers
+            tokens[rid].extend(out.new_token_ids[k - n : k])
+            if row in out.finished:
+                done[rid] = (tokens[rid], out.finished[row], None)
+            elif abort_after and len(tokens[rid]) >= abort_after.get(rid, 1 << 30):
+                client.abort_requests([rid])
+                done[rid] = (tokens[rid], "abort", None)
+    return done
+
+
+@pytest.fixture(scope="module")
+def client():
+    before = shm_entries()
+    c = SyncMPClient(config())
+    yield c
+    c.shutdown()
+    assert shm_entries() <= before
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shm_engine.model.loader import load_model
+
+    return load_model(None).tokenizer
+
+
+def test_handshake_reports_the_cache(client):
+    assert client.ready.num_kv_blocks == 512
+    assert client.ready.vocab_size == 49152
+    assert client.ready.eos_token_ids
+
+
+def test_64_concurrent_streams_all_finish(client, tokenizer):
+    prompts = [tokenizer.encode(f"Question {i}: what is {i} plus {i}?") for i in range(64)]
+    for i, p in enumerate(prompts):
+        client.add_request(request(f"c{i}", p, max_tokens=12, ignore_eos=True))
+    done = collect(client, [f"c{i}" for i in range(64)])
+    assert all(len(t) == 12 and r == "length" for t, r, _ in done.values())
+    stats = client.call_utility("get_stats")
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_batched_output_equals_single_request_output(client, tokenizer):
+    p = tokenizer.encode("The capital of France is")
+    client.add_request(request("solo", p, max_tokens=10))
+    solo = collect(client, ["solo"])["solo"][0]
+    for i in range(8):
+        client.add_request(request(f"b{i}", tokenizer.encode(f"Noise prompt {i} " * (i + 1)), 10))
+    client.add_request(request("batched", p, max_tokens=10))
+    done = collect(client, [f"b{i}" for i in range(8)] + ["batched"])
+    assert done["batched"][0] == solo
+    assert "Paris" in tokenizer.decode(solo)
+
+
+def test_abort_mid_stream_frees_blocks(client, tokenizer):
+    p = tokenizer.encode("Write a long story about a dragon.")
+    rids = [f"a{i}" for i in range(6)]
+    for rid in rids:
+        client.add_request(request(rid, p, max_tokens=200, ignore_eos=True))
+    done = collect(client, rids, abort_after={rid: 3 for rid in rids})
+    assert all(r == "abort" for _, r, _ in done.values())
+    deadline = time.monotonic() + 5
+    while client.call_utility("get_stats").kv_cache_usage > 0:
+        assert time.monotonic() < deadline, "aborted requests kept their blocks"
+        client.get_output(timeout=0.05)  # drain late outputs
+        time.sleep(0.05)
+
+
+def test_prefix_cache_hit_is_reported(client, tokenizer):
+    system = tokenizer.encode("You are a helpful assistant. " * 8)
+    client.add_request(request("p1", system + tokenizer.encode("Hi"), max_tokens=2))
+    collect(client, ["p1"])
+    client.add_request(request("p2", system + tokenizer.encode("Hello there"), max_tokens=2))
+    cached = None
+    deadline = time.monotonic() + 60
+    while cached is None and time.monotonic() < deadline:
+        out = client.get_output(timeout=1.0)
+        if out and "p2" in out.request_ids:
+            cached = out.num_cached_tokens.get(out.request_ids.index("p2"))
+    collect_rest = client.call_utility("get_stats")
+    assert cached is not None and cached >= 16 * (len(system) // 16) - 16
+    assert collect_rest.prefix_cache_hits > 0
+
+
+def test_bad_requests_get_errors_and_others_continue(client, tokenizer):
+    p = tokenizer.encode("Hello")
+    client.add_request(request("huge", [1] * 9000, max_tokens=4))  # longer than the context
+    client.add_request(request("oov", [10**6], max_tokens=4))
+    client.add_request(request("empty", [], max_tokens=4))
+    client.add_request(request("good", p, max_tokens=4))
+    done = collect(client, ["good", "huge", "oov", "empty"])
+    assert done["good"][1] in ("stop", "length")
+    assert "context length" in done["huge"][2]
+    assert "token ids" in done["oov"][2]
+    assert "empty" in done["empty"][2]
+    # A duplicate id while the first is running is rejected; the first still runs to the end.
+    client.add_request(request("dup", p, max_tokens=16, ignore_eos=True))
+    client.add_request(request("dup", p, max_tokens=4))
+    errors, tokens, finish = [], [], None
+    deadline = time.monotonic() + 60
+    while finish is None and time.monotonic() < deadline:
+        out = client.get_output(timeout=1.0)
+        if out is None:
+            continue
+        errors += [e.message for e in out.errors if e.request_id == "dup"]
+        if "dup" in out.request_ids:
+            row = out.request_ids.index("dup")
+            tokens.append(out.new_token_ids[row])
+            finish = out.finished.get(row)
+    assert any("duplicate" in m for m in errors)
+    assert finish == "length" and len(tokens) == 16
+
+
+def test_utility_calls(client):
+    assert client.call_utility("echo", {"a": [1, 2]}) == {"a": [1, 2]}
+    assert client.call_utility("is_sleeping") is False
+    with pytest.raises(UtilityError, match="unknown utility"):
+        client.call_utility("__init__")
+    with pytest.raises(UtilityError, match="profiler is not running"):
+        client.call_utility("profile", False)
+    client.call_utility("execute_dummy_batch")
+    assert client.call_utility("reset_prefix_cache") >= 0
+
+
+def test_sleep_releases_and_wake_up_restores_the_cache(client, tokenizer):
+    import psutil
+
+    pid = client.proc.pid
+    rss_awake = psutil.Process(pid).memory_info().rss
+    client.call_utility("sleep")
+    assert client.call_utility("is_sleeping") is True
+    rss_asleep = psutil.Process(pid).memory_info().rss
+    client.call_utility("wake_up")
+    assert client.call_utility("is_sleeping") is False
+    client.add_request(request("woke", tokenizer.encode("The capital of France is"), 4))
+    assert collect(client, ["woke"])["woke"][1] in ("stop", "length")
+    # 512 blocks of fp32 KV for 30 layers is ~90 MiB: sleeping must give most of it back.
+    assert rss_awake - rss_asleep > 40 * 2**20
+
+
+def test_preemption_keeps_greedy_output(tokenizer):
+    prompts = [tokenizer.encode(f"List the numbers from {i} to {i + 40}:") for i in range(4)]
+    outs = {}
+    for blocks in (512, 12):  # 12 blocks x 16 tokens cannot hold 4 x ~50 tokens
+        with SyncMPClient(config(num_kv_blocks=blocks)) as c:
+            for i, p in enumerate(prompts):
+                c.add_request(request(f"r{i}", p, max_tokens=32, ignore_eos=True))
+            outs[blocks] = collect(c, [f"r{i}" for i in range(4)], timeout=300)
+            if blocks == 12:
+                assert c.call_utility("get_stats").num_preemptions > 0
+    for i in range(4):
+        assert outs[12][f"r{i}"][0] == outs[512][f"r{i}"][0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_engine_death_is_reported_within_a_second(sig, tokenizer):
+    before = shm_entries()
+    c = SyncMPClient(config(num_kv_blocks=64))
+    try:
+        c.add_request(request("x", tokenizer.encode("Tell me a long story"), 500, ignore_eos=True))
+        assert c.get_output(timeout=60) is not None
+        errors = []
+
+        def waiter():
+            try:
+                while True:
+                    c.get_output(timeout=5.0)
+            except EngineDeadError as e:
+                errors.append((time.monotonic(), e))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        killed_at = time.monotonic()
+        os.kill(c.proc.pid, sig)
+        t.join(timeout=5)
+        assert errors, "no EngineDeadError"
+        assert errors[0][0] - killed_at < 1.0
+        with pytest.raises(EngineDeadError):
+            c.add_request(request("y", [1, 2, 3]))
+        with pytest.raises(EngineDeadError):
+            c.call_utility("get_stats")
+    finally:
+        c.shutdown()
+    assert c.proc.poll() is not None
+    assert shm_entries() <= before
+
+
+def test_llm_generate_matches_in_process_engine():
+    from shm_engine import LLM
+
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with LLM(dtype=DTYPE, num_kv_blocks=256) as llm:
+        mp = llm.generate(prompts, params, use_tqdm=False)
+        chat = llm.chat([{"role": "user", "content": "Say hello."}], params, use_tqdm=False)
+    inproc = LLM(dtype=DTYPE, num_kv_blocks=256, in_process=True)
+    ip = inproc.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(mp, ip, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        assert a.prompt_token_ids == b.prompt_token_ids
+    assert "Paris" in mp[0].outputs[0].text
+    assert chat[0].outputs[0].text and chat[0].finished
+    stopped = inproc.generate(
+        ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=30, stop=["8"]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "8"
+    assert "8" not in stopped.text
+    inproc.shutdown()
