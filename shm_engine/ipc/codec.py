@@ -2,19 +2,20 @@
 
 A message is a list of frames: frame 0 is the msgpack body, frames 1.. are the raw bytes of the
 arrays it contains.  In the body each array is a msgpack Ext (code 1 = numpy, 2 = torch) holding
-only dtype, shape and the frame index, so token ids and logits never become lists of Python ints
-(decoding 500 ints from msgpack costs ~15 us; viewing an int32 frame costs ~1 us).
+dtype, shape and the frame index, so token ids and logits never become lists of Python ints
+(decoding 500 ints from msgpack costs ~15 us; viewing an int32 frame costs ~1 us).  Arrays of at
+most ``inline_max`` bytes (default 4 KiB) travel packed inside the Ext instead of in an aux frame:
+a per-frame cost (pointer setup, a record) would dominate for them.
 
-Lifetime rule: arrays returned by ``Decoder.decode`` are zero-copy views of the frames passed in.
+Lifetime rule: arrays that travelled as aux frames are zero-copy views of the received frames.
 When the frames come from ``Channel.recv``/``recv_all`` they point into the ring and stay valid
 only until the next receive call on that channel; ``.copy()`` whatever must outlive it (or open the
-channel with ``zero_copy=False``).  Torch tensors come back as torch tensors sharing that memory
-(``torch.from_numpy``), so the same rule applies to them.
+channel with ``zero_copy=False``).  Small (inline) arrays are always fresh copies, free of that
+rule.  Torch tensors come back as torch tensors (``torch.from_numpy``, same memory and rule).
 """
 
 from __future__ import annotations
 
-import re
 import struct
 import sys
 from collections.abc import Sequence
@@ -28,10 +29,30 @@ Buffer = bytes | bytearray | memoryview
 EXT_NUMPY = 1
 EXT_TORCH = 2
 
-# Ext payload: u32 frame index, u8 ndim, u8 len(dtype str), dtype str, ndim * i64 shape.
+# Ext payload: u32 frame index (0 = data inline after the header), u8 ndim, u8 dtype code,
+# ndim * i64 shape.  A closed table of dtype codes means nothing from the wire reaches np.dtype().
 _HEAD = struct.Struct("<IBB")
-_DTYPE_RE = re.compile(r"^[<>|=][biufc][0-9]{1,2}$")
-_BF16 = "bf16"  # numpy has no bfloat16: travels as int16 bits, restored by torch
+_SHAPE = [struct.Struct(f"<{n}q") for n in range(33)]
+_CODES = [
+    "?",
+    "i1",
+    "u1",
+    "<i2",
+    "<u2",
+    "<i4",
+    "<u4",
+    "<i8",
+    "<u8",
+    "<f2",
+    "<f4",
+    "<f8",
+    "<c8",
+    "<c16",
+]
+_DTYPE_OF = [np.dtype(c) for c in _CODES]
+_CODE_OF = {dt: i for i, dt in enumerate(_DTYPE_OF)}
+_BF16 = len(_CODES)  # numpy has no bfloat16: travels as int16 bits, restored by torch
+_DTYPE_OF.append(np.dtype("<i2"))
 
 
 def _torch_module() -> Any:
@@ -41,9 +62,10 @@ def _torch_module() -> Any:
 class Encoder:
     """Encode an object into ``[body, *aux_frames]``; not thread-safe (one per sending thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inline_max: int = 4096) -> None:
         self._enc = msgspec.msgpack.Encoder(enc_hook=self._hook)
         self._aux: list[Any] | None = None
+        self.inline_max = inline_max
 
     def encode(self, obj: Any) -> list[Buffer]:
         """Return the frames of one message; aux frames reference the arrays' memory (no copy)."""
@@ -63,22 +85,29 @@ class Encoder:
         finally:
             self._aux = None
 
-    def _array_ext(self, arr: np.ndarray, code: int, dtype_str: str) -> msgspec.msgpack.Ext:
+    def _array_ext(self, arr: np.ndarray, code: int, dtype_code: int) -> msgspec.msgpack.Ext:
         aux = self._aux
         if aux is None:
             raise TypeError("arrays can only be encoded through Encoder.encode")
-        arr = np.ascontiguousarray(arr)
-        index = len(aux) + 1
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # (ascontiguousarray would turn 0-d into 1-d)
+        ndim = arr.ndim
+        shape = _SHAPE[ndim].pack(*arr.shape)
+        if arr.nbytes <= self.inline_max:
+            head = _HEAD.pack(0, ndim, dtype_code)  # frame index 0: bytes follow the header
+            return msgspec.msgpack.Ext(code, b"".join((head, shape, arr.tobytes())))
         aux.append(arr.reshape(-1).view(np.uint8))
-        d = dtype_str.encode()
-        data = _HEAD.pack(index, arr.ndim, len(d)) + d + struct.pack(f"<{arr.ndim}q", *arr.shape)
-        return msgspec.msgpack.Ext(code, data)
+        return msgspec.msgpack.Ext(code, _HEAD.pack(len(aux), ndim, dtype_code) + shape)
 
     def _hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            if obj.dtype.kind not in "biufc":
-                raise TypeError(f"unsupported array dtype {obj.dtype}")
-            return self._array_ext(obj, EXT_NUMPY, obj.dtype.str)
+            dc = _CODE_OF.get(obj.dtype)
+            if dc is None:
+                if obj.dtype.kind not in "biufc" or obj.ndim > 32:
+                    raise TypeError(f"unsupported array {obj.dtype} ndim={obj.ndim}")
+                obj = obj.astype(obj.dtype.newbyteorder("<"))
+                dc = _CODE_OF[obj.dtype]
+            return self._array_ext(obj, EXT_NUMPY, dc)
         if isinstance(obj, np.generic):
             return obj.item()
         torch = _torch_module()
@@ -89,7 +118,10 @@ class Encoder:
             if t.dtype == torch.bfloat16:
                 return self._array_ext(t.contiguous().view(torch.int16).numpy(), EXT_TORCH, _BF16)
             arr = t.contiguous().numpy()
-            return self._array_ext(arr, EXT_TORCH, arr.dtype.str)
+            dc = _CODE_OF.get(arr.dtype)
+            if dc is None:
+                raise TypeError(f"unsupported tensor dtype {t.dtype}")
+            return self._array_ext(arr, EXT_TORCH, dc)
         raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
@@ -110,39 +142,42 @@ class Decoder:
             self._frames = ()
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
-        if code not in (EXT_NUMPY, EXT_TORCH):
+        if code != EXT_NUMPY and code != EXT_TORCH:
             raise msgspec.DecodeError(f"unknown ext code {code}")
         try:
-            index, ndim, dlen = _HEAD.unpack_from(data, 0)
-            off = _HEAD.size
-            dtype_str = bytes(data[off : off + dlen]).decode("ascii")
-            off += dlen
-            shape = struct.unpack_from(f"<{ndim}q", data, off)
-            if off + 8 * ndim != len(data):
-                raise ValueError("trailing bytes")
-        except (struct.error, UnicodeDecodeError, ValueError) as e:
+            index, ndim, dc = _HEAD.unpack_from(data, 0)
+            shape = _SHAPE[ndim].unpack_from(data, 6)
+            dtype = _DTYPE_OF[dc]
+        except (struct.error, IndexError) as e:
             raise msgspec.DecodeError(f"malformed array header: {e}") from None
-        frames = self._frames
-        if not 1 <= index < len(frames):
-            raise msgspec.DecodeError(f"array references missing frame {index}")
-        bf16 = code == EXT_TORCH and dtype_str == _BF16
-        if not bf16 and not _DTYPE_RE.match(dtype_str):
-            raise msgspec.DecodeError(f"unsupported dtype {dtype_str!r}")
-        dtype = np.dtype("<i2" if bf16 else dtype_str)
+        off = 6 + 8 * ndim
         count = 1
         for s in shape:
             if s < 0:
                 raise msgspec.DecodeError("negative dimension")
             count *= s
-        frame = frames[index]
-        if count * dtype.itemsize != len(frame):
-            raise msgspec.DecodeError("array frame size does not match its shape")
-        arr = np.frombuffer(frame, dtype=dtype).reshape(shape)
-        if self._copy:
-            arr = arr.copy()
+        if index == 0:
+            if count * dtype.itemsize != len(data) - off:
+                raise msgspec.DecodeError("array data size does not match its shape")
+            # Inline: tiny, so copy (aligned, and free of the lifetime rule).
+            arr = np.frombuffer(data, dtype, count, off).copy()
+        else:
+            frames = self._frames
+            if off != len(data) or not 1 <= index < len(frames):
+                raise msgspec.DecodeError(f"array references missing frame {index}")
+            buf = frames[index]
+            if count * dtype.itemsize != len(buf):
+                raise msgspec.DecodeError("array frame size does not match its shape")
+            arr = np.frombuffer(buf, dtype)
+            if self._copy:
+                arr = arr.copy()
+        if ndim != 1:
+            arr = arr.reshape(shape)
         if code == EXT_NUMPY:
+            if dc == _BF16:
+                raise msgspec.DecodeError("bfloat16 needs a torch ext")
             return arr
         import torch
 
         t = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
-        return t.view(torch.bfloat16) if bf16 else t
+        return t.view(torch.bfloat16) if dc == _BF16 else t
