@@ -1,0 +1,140 @@
+"""ModelConfig parsing (HF config.json, GGUF metadata) and RoPE frequencies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shm_engine.model.config import ModelConfig
+
+QWEN2_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+LLAMA_UNTIED_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+
+def test_qwen2_config_has_bias_and_no_sliding_window() -> None:
+    c = ModelConfig.from_hf_config(QWEN2_CONFIG)
+    assert c.architecture == "qwen2"
+    assert c.attention_bias  # Qwen2 q/k/v always carry a bias
+    assert c.head_dim == 64 and c.num_kv_heads == 2
+    assert c.sliding_window is None  # use_sliding_window is false
+    assert c.tie_word_embeddings
+    assert c.eos_token_ids == (151645,)
+    assert ModelConfig.from_hf_config(c.to_hf_config()) == c
+
+
+def test_untied_llama3_config_round_trips() -> None:
+    c = ModelConfig.from_hf_config(LLAMA_UNTIED_CONFIG)
+    assert not c.tie_word_embeddings and not c.attention_bias
+    assert c.eos_token_ids == (128001, 128008, 128009)
+    assert c.head_dim == 64
+    assert ModelConfig.from_hf_config(c.to_hf_config()) == c
+    assert hash(c)  # frozen and hashable even with a list eos
+
+
+def test_mistral_sliding_window_and_explicit_head_dim() -> None:
+    cfg = dict(LLAMA_UNTIED_CONFIG, model_type="mistral", sliding_window=4096, head_dim=128)
+    cfg.pop("rope_scaling")
+    c = ModelConfig.from_hf_config(cfg)
+    assert c.architecture == "mistral" and c.sliding_window == 4096 and c.head_dim == 128
+
+
+def test_rejects_unknown_architecture() -> None:
+    with pytest.raises(ValueError, match="unsupported"):
+        ModelConfig.from_hf_config(dict(QWEN2_CONFIG, model_type="gpt_neox"))
+
+
+def test_inv_freq_default() -> None:
+    c = ModelConfig.from_hf_config(QWEN2_CONFIG)
+    inv = c.inv_freq()
+    assert inv.dtype == torch.float32 and inv.shape == (32,)
+    expected = [1.0 / 1e6 ** (2 * i / 64) for i in range(32)]
+    torch.testing.assert_close(inv, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_inv_freq_llama3_scaling() -> None:
+    c = ModelConfig.from_hf_config(LLAMA_UNTIED_CONFIG)
+    plain = c.replace(rope_scaling=None).inv_freq().double()
+    scaled = c.inv_freq().double()
+    wavelen = 2 * math.pi / plain
+    high = wavelen < 8192 / 4.0  # short wavelengths: untouched
+    low = wavelen > 8192 / 1.0  # long wavelengths: divided by the factor
+    assert high.any() and low.any()
+    torch.testing.assert_close(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 32.0)
+    mid = ~high & ~low
+    # the blend lies between the two ends and is monotone like the originals
+    assert ((scaled[mid] <= plain[mid]) & (scaled[mid] >= plain[mid] / 32.0)).all()
+    assert (scaled[1:] <= scaled[:-1]).all()
+
+
+def test_inv_freq_linear_and_freq_factors() -> None:
+    c = ModelConfig.from_hf_config(QWEN2_CONFIG)
+    lin = c.replace(rope_scaling={"rope_type": "linear", "factor": 4.0})
+    torch.testing.assert_close(lin.inv_freq(), c.inv_freq() / 4.0)
+    factors = tuple(float(i + 1) for i in range(32))
+    ff = c.replace(rope_freq_factors=factors)
+    torch.testing.assert_close(ff.inv_freq(), c.inv_freq() / torch.tensor(factors))
+
+
+def test_from_gguf_metadata() -> None:
+    meta = {
+        "general.architecture": "qwen2",
+        "qwen2.block_count": 2,
+        "qwen2.context_length": 4096,
+        "qwen2.embedding_length": 128,
+        "qwen2.feed_forward_length": 256,
+        "qwen2.attention.head_count": 4,
+        "qwen2.attention.head_count_kv": 2,
+        "qwen2.rope.freq_base": 1e6,
+        "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
+        "tokenizer.ggml.bos_token_id": 5,
+        "tokenizer.ggml.eos_token_id": 6,
+        "tokenizer.ggml.eot_token_id": 7,
+    }
+    c = ModelConfig.from_gguf_metadata(meta, vocab_size=1000, attention_bias=True)
+    assert c.architecture == "qwen2" and c.head_dim == 32 and c.num_kv_heads == 2
+    assert c.vocab_size == 1000 and c.attention_bias and not c.tie_word_embeddings
+    assert c.eos_token_ids == (6, 7) and c.bos_token_id == 5
+    assert c.rope_theta == 1e6 and c.max_position_embeddings == 4096
