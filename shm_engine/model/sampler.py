@@ -158,23 +158,7 @@ class Sampler:
             ids = torch.argmax(logits, dim=-1)
             return SamplerOutput(ids.to(torch.int32).numpy())
 
-        x = logits.to(torch.float32).clone()
-        for i in min_tok:
-            stop = torch.tensor([t for t in states[i].stop_ids if t < v], dtype=torch.long)
-            x[i, stop] = float("-inf")
-        for i in penalized:
-            s = states[i]
-            s.update(output_token_ids[i], v)
-            p = s.params
-            if s.needs_seen:
-                assert s.seen is not None
-                row = x[i]
-                pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                x[i] = torch.where(s.seen, pen, row)
-            if s.needs_counts:
-                assert s.counts is not None
-                x[i] -= p.frequency_penalty * s.counts + p.presence_penalty * (s.counts > 0)
-
+        x = self.process_logits(logits, states, output_token_ids, min_tok, penalized)
         out = torch.empty(b, dtype=torch.long)
         g_rows = [i for i in range(b) if greedy[i]]
         s_rows = [i for i in range(b) if not greedy[i]]
@@ -196,6 +180,42 @@ class Sampler:
         if not want_lp:
             return SamplerOutput(token_ids)
         return SamplerOutput(token_ids, self._logprobs(logits, out, params, want_lp))
+
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        output_token_ids: Sequence[Sequence[int]],
+        min_tok_rows: Sequence[int] | None = None,
+        penalized_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """A copy of `logits` with min_tokens masking and the penalties applied (steps 1-2)."""
+        v = logits.shape[1]
+        if min_tok_rows is None:
+            min_tok_rows = [
+                i
+                for i, s in enumerate(states)
+                if s.stop_ids and len(output_token_ids[i]) < s.params.min_tokens
+            ]
+        if penalized_rows is None:
+            penalized_rows = [i for i, s in enumerate(states) if s.has_penalties]
+        x = logits.to(torch.float32).clone()
+        for i in min_tok_rows:
+            stop = torch.tensor([t for t in states[i].stop_ids if t < v], dtype=torch.long)
+            x[i, stop] = float("-inf")
+        for i in penalized_rows:
+            s = states[i]
+            s.update(output_token_ids[i], v)
+            p = s.params
+            if s.needs_seen:
+                assert s.seen is not None
+                row = x[i]
+                pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                x[i] = torch.where(s.seen, pen, row)
+            if s.needs_counts:
+                assert s.counts is not None
+                x[i] -= p.frequency_penalty * s.counts + p.presence_penalty * (s.counts > 0)
+        return x
 
     def _uniforms(
         self,
