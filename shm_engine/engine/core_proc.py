@@ -21,6 +21,8 @@ import threading
 import time
 import traceback
 
+import msgspec
+
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.core import EngineCore
 from shm_engine.engine.protocol import (
@@ -106,20 +108,22 @@ class EngineCoreProc:
         from shm_engine.ipc import ChannelClosedError, PeerDeadError
 
         chan = self.channels[client]
-        try:
-            while not self._stop.is_set():
-                try:
-                    msgs = chan.recv_all(timeout=0.5)
-                except TimeoutError:
-                    continue
-                for msg in msgs:
-                    self._accept(client, msg)
-        except (ChannelClosedError, PeerDeadError):
-            logger.info("client %d went away; aborting its requests", client)
-            self.input_queue.put((client, _SHUTDOWN))
-        except Exception as e:  # a malformed frame: report it, keep serving other clients
-            logger.exception("client %d sent a message that could not be decoded", client)
-            self.input_queue.put((client, e))
+        while not self._stop.is_set():
+            try:
+                msgs = chan.recv_all(timeout=0.5)
+            except TimeoutError:
+                continue
+            except (ChannelClosedError, PeerDeadError):
+                logger.info("client %d went away; aborting its requests", client)
+                self.input_queue.put((client, _SHUTDOWN))
+                return
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                # A malformed frame: report it and keep serving this and other clients.
+                logger.warning("client %d sent a message that could not be decoded: %s", client, e)
+                self.input_queue.put((client, e))
+                continue
+            for msg in msgs:
+                self._accept(client, msg)
 
     def _accept(self, client: int, msg) -> None:
         if isinstance(msg, EngineCoreRequest):

@@ -1,0 +1,125 @@
+"""The int8 Llama model on the native kernels: one native call per decoder layer.
+
+Weights are quantized per output channel and packed once, at load, one tensor at a time from the
+lazy loader, so peak memory stays near the packed size. q/k/v are packed as one [q|k|v] matrix and
+gate/up as one [gate|up] matrix, so each projection group is a single GEMM. The input embedding is
+stored int8 with a per-row scale too (it is looked up, never multiplied), which keeps the resident
+model small; the LM head is a packed GEMM over the same (tied) or its own weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from shm_engine.model import kernels
+from shm_engine.model.batch import BatchInputs
+from shm_engine.model.config import ModelConfig
+
+
+class Int8Llama:
+    def __init__(
+        self, config: ModelConfig, weights: Mapping[str, torch.Tensor], num_threads: int = 0
+    ) -> None:
+        if config.sliding_window is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the int8 path")
+        if num_threads:
+            kernels.set_num_threads(num_threads)
+        self.config = config
+        c = config
+        emb = weights["model.embed_tokens.weight"]
+        scale = emb.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.embed_q = torch.round(emb / scale[:, None]).to(torch.int8)
+        self.embed_scale = scale.to(torch.float32)
+        head = emb if c.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = kernels.PackedLinear.from_float(head)
+        del emb, head
+        self.final_norm = weights["model.norm.weight"].float().contiguous()
+        self.layers = [self._pack_layer(weights, i) for i in range(c.num_layers)]
+        self.cos_sin = kernels.rope_cos_sin(c.inv_freq(), c.max_position_embeddings)
+        self.scale = c.head_dim**-0.5
+        self._scratch: kernels.LayerScratch | None = None
+
+    def _pack_layer(self, w: Mapping[str, torch.Tensor], i: int) -> kernels.LlamaLayer:
+        c = self.config
+        p = f"model.layers.{i}."
+        qkv = torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
+        bias = None
+        if c.attention_bias:
+            bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
+        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        return kernels.LlamaLayer(
+            hidden=c.hidden_size,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            ffn=c.intermediate_size,
+            eps=c.rms_norm_eps,
+            input_norm=w[p + "input_layernorm.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            qkv=kernels.PackedLinear.from_float(qkv, bias),
+            o=kernels.PackedLinear.from_float(w[p + "self_attn.o_proj.weight"]),
+            gate_up=kernels.PackedLinear.from_float(gate_up),
+            down=kernels.PackedLinear.from_float(w[p + "mlp.down_proj.weight"]),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        layer_bytes = sum(
+            lin.nbytes
+            for layer in self.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        return (
+            layer_bytes + self.lm_head.nbytes + self.embed_q.numel() + self.embed_scale.numel() * 4
+        )
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
+
+    def allocate_kv(
+        self, num_blocks: int, block_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+
+    # ------------------------------------------------------------------ forward
+
+    def _scratch_for(self, num_tokens: int) -> kernels.LayerScratch:
+        s = self._scratch
+        if s is None or s.max_tokens < num_tokens:
+            # Grow geometrically so a few large prefills do not reallocate every step.
+            size = max(num_tokens, 2 * s.max_tokens if s else 64)
+            s = self._scratch = kernels.LayerScratch(self.layers[0], size)
+        return s
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """fp32 logits [len(logits_indices), vocab]."""
+        ids = batch.input_ids
+        hidden = self.embed_q[ids].to(torch.float32).mul_(self.embed_scale[ids, None])
+        k0 = kv_caches[0][0]
+        step = kernels.LayerStep(
+            positions=batch.positions,
+            slot_mapping=batch.slot_mapping,
+            block_table=batch.block_table,
+            seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc,
+            cos_sin=self.cos_sin,
+            num_blocks=k0.shape[0],
+            block_size=k0.shape[1],
+            scale=self.scale,
+            scratch=self._scratch_for(batch.num_tokens),
+        )
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            kernels.llama_layer_forward(layer, step, hidden, k_cache, v_cache)
+        x = hidden[batch.logits_indices].contiguous()
+        x = kernels.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
+        return kernels.linear(x, self.lm_head)
