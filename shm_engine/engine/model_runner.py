@@ -15,6 +15,7 @@ from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
 from shm_engine.model.batch import BatchInputs
+from shm_engine.model.kv_cache import allocate_kv, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class ModelRunner:
         self.eos_token_ids = self.eos_token_ids or loaded.config.eos_token_ids
         self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
         self.block_size = config.block_size
-        per_block = model.kv_bytes_per_block(self.block_size)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
         self.kv_caches = None
         self.allocate_kv_cache()
@@ -68,7 +69,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         if self.kv_caches is None:
-            self.kv_caches = self.model.allocate_kv(self.num_blocks, self.block_size)
+            self.kv_caches = allocate_kv(self.model_config, self.num_blocks, self.block_size)
 
     def release_kv_cache(self) -> None:
         self.kv_caches = None
@@ -112,7 +113,7 @@ class ModelRunner:
     def execute_dummy(self) -> None:
         """A one-token forward on a scratch one-block cache, so no live or cached KV is touched."""
         batch = BatchInputs.build([([0], 0, 1, [0])], self.block_size, [True])
-        self.model.forward(batch, self.model.allocate_kv(1, self.block_size))
+        self.model.forward(batch, allocate_kv(self.model_config, 1, self.block_size))
 
     def shutdown(self) -> None:
         self.kv_caches = None

@@ -75,19 +75,6 @@ class Int8Llama:
             layer_bytes + self.lm_head.nbytes + self.embed_q.numel() + self.embed_scale.numel() * 4
         )
 
-    # ------------------------------------------------------------------ KV cache
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        c = self.config
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
-
-    def allocate_kv(
-        self, num_blocks: int, block_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        c = self.config
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
-
     # ------------------------------------------------------------------ forward
 
     def _scratch_for(self, num_tokens: int) -> kernels.LayerScratch:

@@ -35,17 +35,10 @@ class TorchLlama:
         self.lm_head = self.w.get("lm_head.weight", self.embed)
         self.inv_freq = config.inv_freq()
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        c = self.config
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
-
-    def allocate_kv(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        c = self.config
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
-
     @torch.inference_mode()
-    def forward(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """Returns fp32 logits [len(logits_indices), vocab]."""
         c = self.config
         x = self.embed[batch.input_ids]
