@@ -420,7 +420,9 @@ class Channel:
         for i in range(0, 2 * n, 2):
             o = vals[i] + base
             lk = vals[i + 1]
-            if lk >> 32 == _SIMPLE >> 32:
+            # NOTE: the last frame of a multi-frame message carries the same flags as a
+            # single-frame message; only a record that starts a message can be "simple".
+            if not cur and lk >> 32 == _SIMPLE >> 32:
                 out.append(decode((mv[o : o + (lk & _M32)],)))
             else:
                 cur.append(mv[o : o + (lk & _M32)])
