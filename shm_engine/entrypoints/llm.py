@@ -86,6 +86,38 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None):
+        """Yield the text of one completion as it is generated (n must be 1)."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() produces one completion; use generate() for n > 1")
+        rid = self._add(prompt, params)
+        sent = 0
+        try:
+            while True:
+                out = self.client.get_output(timeout=1.0)
+                if out is None:
+                    continue
+                results, to_abort = self.processor.process(out)
+                if to_abort:
+                    self.client.abort_requests(to_abort)
+                for r in results:
+                    if r.request_id != rid:
+                        continue
+                    if r.error:
+                        raise ValueError(r.error)
+                    text = r.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if r.finished:
+                        return
+        finally:
+            if self.processor.engine_ids(rid):  # closed early: stop generating
+                self.processor.abort(rid)
+                with contextlib.suppress(EngineDeadError):
+                    self.client.abort_requests([rid])
+
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)

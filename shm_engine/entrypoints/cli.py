@@ -1,0 +1,126 @@
+"""``shm-engine`` command line: generate text with the embedded model, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    p.add_argument("--dtype", default="int8", choices=["int8", "float32"])
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache budget in MiB")
+    p.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _build_llm(args):
+    from shm_engine import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        num_threads=args.threads,
+    )
+
+
+def _params(args):
+    from shm_engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args) -> int:
+    prompts = list(args.prompts)
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("give prompts as arguments or with --file", file=sys.stderr)
+        return 2
+    params = _params(args)
+    with _build_llm(args) as llm:
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            n = 0
+            print(prompt, end="", flush=True)
+            for delta in llm.stream(prompt, params):
+                print(delta, end="", flush=True)
+                n += 1
+            dt = time.perf_counter() - t0
+            print(f"\n[{n} chunks in {dt:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _params(args)
+    messages: list[dict[str, str]] = []
+    with _build_llm(args) as llm:
+        tok = llm.get_tokenizer()
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+            reply = ""
+            for delta in llm.stream({"prompt": text, "prompt_token_ids": ids}, params):
+                reply += delta
+                print(delta, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench(args) -> int:
+    if args.what == "ipc":
+        from benchmarks import bench_ipc
+
+        sys.argv = ["bench_ipc", *args.rest]
+        return bench_ipc.main() or 0
+    print(f"unknown benchmark {args.what!r}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shm-engine", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for prompts, streaming to the terminal")
+    g.add_argument("prompts", nargs="*")
+    g.add_argument("--file", help="a file with one prompt per line")
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    b = sub.add_parser("bench", help="benchmarks: ipc")
+    b.add_argument("what", choices=["ipc"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
