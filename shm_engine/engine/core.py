@@ -168,6 +168,14 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def get_timing(self) -> dict[str, float]:
+        """Cumulative seconds in the model and in scheduling + output processing, and steps."""
+        return {
+            "model_s": self.step_time,
+            "sched_s": self.sched_time,
+            "steps": self.scheduler.step_count,
+        }
+
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes; returns how many blocks were uncached."""
         return self.scheduler.reset_prefix_cache()

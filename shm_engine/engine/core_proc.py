@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 # is converted back to on the client (results cross the ring as plain msgpack).
 UTILITY_METHODS: dict[str, type | None] = {
     "get_stats": SchedulerStats,
+    "get_timing": None,
     "reset_prefix_cache": int,
     "sleep": None,
     "wake_up": None,

@@ -102,6 +102,9 @@ def _check_peer_uid(sock: socket.socket) -> int:
     return pid
 
 
+HANDSHAKE_TIMEOUT = 30.0  # seconds for the exchange after a peer connected
+
+
 class ChannelListener:
     """Accepts peers on an unguessable abstract Unix socket; one Channel per accepted peer."""
 
@@ -126,9 +129,12 @@ class ChannelListener:
     ) -> Channel:
         """Wait for one peer, create the rings, hand them over, unlink their name, return the channel."""
         check_capacity(capacity)
-        deadline = _deadline(timeout)
-        self._sock.settimeout(_left(deadline))
+        self._sock.settimeout(timeout)
         conn, _ = self._sock.accept()
+        # NOTE: ``timeout`` bounds the wait for a peer; once one connected, the exchange gets its
+        # own deadline, so a caller polling accept() in short slices never unlinks the segment
+        # under a peer that is still attaching.
+        deadline = _deadline(HANDSHAKE_TIMEOUT)
         try:
             _check_peer_uid(conn)
             _recv_msg(conn, _Hello, deadline)
