@@ -91,7 +91,35 @@ def cmd_chat(args) -> int:
             messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args) -> int:
+    from shm_engine.engine.config import EngineConfig
+    from shm_engine.entrypoints.openai_server import serve
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        num_threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    serve(
+        config,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return 0
+
+
 def cmd_bench(args) -> int:
+    if args.what == "serve":
+        from shm_engine.benchmarks import serve
+
+        return serve.main(args.rest)
     if args.what == "ipc":
         from benchmarks import bench_ipc
 
@@ -114,8 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
-    b = sub.add_parser("bench", help="benchmarks: ipc")
-    b.add_argument("what", choices=["ipc"])
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model id in the API")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    b = sub.add_parser(
+        "bench", help="benchmarks: serve (load generator for an OpenAI endpoint), ipc"
+    )
+    b.add_argument("what", choices=["serve", "ipc"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)

@@ -1,0 +1,230 @@
+"""AsyncLLM: the asyncio face of the engine for servers.
+
+One pump task reads every step's outputs from the engine (``AsyncMPClient.get_output_async``), runs
+the OutputProcessor (detokenization, stop strings, n>1 fan-in) once for all requests, and hands
+each request its newest ``RequestOutput``. Requests consume with ``generate()``, an async iterator.
+
+Each request keeps only its *latest* output, not a queue: outputs are cumulative, so a consumer
+that falls behind (a slow client, a busy event loop) skips straight to the newest state and sends
+one larger delta instead of building a backlog. Leaving ``generate()`` early (client disconnect,
+cancellation, an exception) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+
+from shm_engine.engine.client import AsyncMPClient, EngineDeadError
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
+from shm_engine.engine.protocol import EngineCoreRequest, SchedulerStats
+from shm_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus at least one generated token) does not fit the model's context."""
+
+
+class _Stream:
+    """Newest output of one request plus a wake-up for its consumer."""
+
+    __slots__ = ("latest", "event", "error")
+
+    def __init__(self) -> None:
+        self.latest: RequestOutput | None = None
+        self.event = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self.latest = out
+        self.event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        while self.latest is None:
+            if self.error is not None:
+                raise self.error
+            self.event.clear()
+            await self.event.wait()
+        out, self.latest = self.latest, None
+        return out
+
+
+class AsyncLLM:
+    """Engine process + output processing for many concurrent asyncio requests.
+
+    Build it with ``await AsyncLLM.create(config)`` inside the loop that will serve requests
+    (the client binds to the running loop).
+    """
+
+    def __init__(self, client: AsyncMPClient, tokenizer, model_name: str) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = client.ready.max_model_len
+        self.processor = OutputProcessor(tokenizer)
+        self.streams: dict[str, _Stream] = {}
+        self.last_stats = SchedulerStats()
+        self.dead_reason: str | None = None
+        # Called with every finished RequestOutput (metrics); must not raise.
+        self.on_finished: Callable[[RequestOutput], None] | None = None
+        self._ids = itertools.count()
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name="engine-pump")
+
+    @classmethod
+    async def create(cls, config: EngineConfig, model_name: str | None = None) -> AsyncLLM:
+        from shm_engine.model.loader import load_model
+
+        # NOTE: load_model is lazy; only metadata and the tokenizer are read in this process.
+        tokenizer = load_model(config.model).tokenizer
+        # Blocks the loop while the engine loads the model: fine at startup, nothing is served yet.
+        client = AsyncMPClient(config)
+        return cls(client, tokenizer, model_name or client.ready.model_name)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None or self.client.is_dead
+
+    def num_unfinished(self) -> int:
+        return len(self.streams)
+
+    async def get_stats(self, timeout: float = 2.0) -> SchedulerStats:
+        """Fresh scheduler stats from the engine; the last piggybacked ones if it does not answer."""
+        if not self.is_dead:
+            with contextlib.suppress(Exception):
+                self.last_stats = await asyncio.wait_for(
+                    self.client.call_utility_coro("get_stats"), timeout
+                )
+        return self.last_stats
+
+    # ------------------------------------------------------------------ requests
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 100000}"
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject a prompt that cannot fit before it costs an engine round trip."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {n} tokens (at least one token must be generated)."
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds it."
+            )
+
+    async def generate(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's newest cumulative output until it finishes.
+
+        Raises EngineDeadError if the engine dies, ValueError for a request the engine rejected.
+        Closing or cancelling the iterator before the end aborts the request in the engine.
+        """
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        self.check_prompt(prompt_token_ids, params)
+        stream = _Stream()
+        children = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+        self.streams[request_id] = stream
+        finished = False
+        try:
+            tokens = np.asarray(prompt_token_ids, dtype=np.int32)
+            now = time.time()
+            for eid, child_params in children:
+                self.client.add_request(
+                    EngineCoreRequest(
+                        request_id=eid,
+                        prompt_token_ids=tokens,
+                        sampling_params=child_params,
+                        arrival_time=now,
+                    )
+                )
+            while True:
+                out = await stream.get()
+                if out.error is not None:
+                    finished = True
+                    raise ValueError(out.error)
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished:
+                self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        engine_ids = self.processor.engine_ids(request_id)
+        self.processor.abort(request_id)
+        if engine_ids and not self.is_dead:
+            with contextlib.suppress(EngineDeadError):
+                self.client.abort_requests(engine_ids)
+
+    # ------------------------------------------------------------------ the pump
+
+    async def _pump(self) -> None:
+        """Route engine outputs to request streams until the engine is gone."""
+        try:
+            while True:
+                out = await self.client.get_output_async()
+                if out.scheduler_stats is not None:
+                    self.last_stats = out.scheduler_stats
+                results, to_abort = self.processor.process(out)
+                if to_abort:
+                    self.client.abort_requests(to_abort)
+                for r in results:
+                    stream = self.streams.get(r.request_id)
+                    if r.finished and self.on_finished is not None and r.error is None:
+                        try:
+                            self.on_finished(r)
+                        except Exception:
+                            logger.exception("on_finished hook failed")
+                    if stream is not None:
+                        stream.put(r)
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except asyncio.CancelledError:
+            self._fail_all(EngineDeadError("the server is shutting down"))
+            raise
+        except Exception as e:  # a bug here must not leave requests hanging forever
+            logger.exception("engine output pump failed")
+            self._fail_all(EngineDeadError(f"engine output pump failed: {e}"))
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        self.dead_reason = str(exc) or "the engine is not running"
+        for stream in list(self.streams.values()):
+            stream.fail(exc)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def shutdown(self) -> None:
+        """Fail open requests, stop the engine process and remove its shared memory."""
+        self._pump_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._pump_task
+        # NOTE: shutdown joins the engine process (up to seconds): keep the loop responsive.
+        await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)
