@@ -1,0 +1,211 @@
+"""The int8 model (native kernels, paged KV) against the fp32 reference.
+
+Small random-weight models bound the relative logit error, for mixed prefill/decode batches over
+the paged cache; the real SmolLM2 must agree on teacher-forced top-1 tokens, perplexity and greedy
+continuations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shm_engine.model.batch import BatchInputs
+from shm_engine.model.config import ModelConfig
+from shm_engine.model.int8_model import Int8Llama
+from shm_engine.model.kv_cache import allocate_kv
+from shm_engine.model.loader import expected_weight_names
+from shm_engine.model.reference import ReferenceModel
+from shm_engine.model.torch_model import TorchLlama
+
+BLOCK = 16
+
+
+def random_model(**overrides) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    cfg = dict(
+        architecture="llama",
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=352,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    cfg.update(overrides)
+    config = ModelConfig(**cfg)
+    g = torch.Generator().manual_seed(0)
+    weights = {}
+    for name in expected_weight_names(config):
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * torch.randn(config.hidden_size, generator=g)
+            continue
+        if name.endswith(".bias"):
+            n = config.q_size if "q_proj" in name else config.kv_size
+            weights[name] = 0.1 * torch.randn(n, generator=g)
+            continue
+        shape = _shape(config, name)
+        weights[name] = torch.randn(shape, generator=g) / math.sqrt(shape[1])
+    return config, weights
+
+
+def _shape(c: ModelConfig, name: str) -> tuple[int, int]:
+    h = c.hidden_size
+    table = {
+        "embed_tokens": (c.vocab_size, h),
+        "lm_head": (c.vocab_size, h),
+        "q_proj": (c.q_size, h),
+        "k_proj": (c.kv_size, h),
+        "v_proj": (c.kv_size, h),
+        "o_proj": (h, c.q_size),
+        "gate_proj": (c.intermediate_size, h),
+        "up_proj": (c.intermediate_size, h),
+        "down_proj": (h, c.intermediate_size),
+    }
+    return next(v for k, v in table.items() if k in name)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def paged_logits(
+    model, config, seqs: list[list[int]], chunks: list[list[int]]
+) -> list[torch.Tensor]:
+    """Run each sequence through the paged model in the given chunk sizes (all sequences in the
+    same steps, so steps mix prefill and decode); returns per-sequence logits for every token."""
+    n_blocks = sum(-(-len(s) // BLOCK) for s in seqs)
+    kv = allocate_kv(config, n_blocks + 1, BLOCK)
+    tables, nxt = [], 0
+    for s in seqs:
+        nb = -(-len(s) // BLOCK)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    pos = [0] * len(seqs)
+    out = [[] for _ in seqs]
+    for step in range(max(len(c) for c in chunks)):
+        batch, idx = [], []
+        for i, s in enumerate(seqs):
+            if step < len(chunks[i]):
+                n = chunks[i][step]
+                batch.append((s, pos[i], n, tables[i]))
+                idx.append(i)
+        inputs = BatchInputs.build(batch, BLOCK, [True] * len(batch))
+        # Ask for the logits of every token of the step, not only the last of each sequence.
+        inputs.logits_indices = torch.arange(inputs.num_tokens)
+        logits = model.forward(inputs, kv)
+        t = 0
+        for (_, start, n, _), i in zip(batch, idx, strict=True):
+            out[i].append(logits[t : t + n])
+            t += n
+            pos[i] = start + n
+    return [torch.cat(o) for o in out]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"architecture": "qwen2", "attention_bias": True}, {"tie_word_embeddings": False}],
+    ids=["llama", "qwen2-bias", "untied"],
+)
+def test_int8_matches_reference_on_mixed_paged_batches(overrides):
+    config, weights = random_model(**overrides)
+    ref = ReferenceModel(config, weights)
+    int8 = Int8Llama(config, weights)
+    fp32 = TorchLlama(config, weights)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 70)]
+    # Chunked prefills of different lengths share steps (the first step mixes all three).
+    chunks = [[20, 17], [5], [33, 30, 7]]
+    expected = [ref.forward(torch.tensor(s)) for s in seqs]
+    for model, bound in ((fp32, 1e-4), (int8, 0.06)):
+        got = paged_logits(model, config, seqs, chunks)
+        for e, o in zip(expected, got, strict=True):
+            assert rel_err(o, e) < bound, (type(model).__name__, rel_err(o, e))
+
+
+def test_int8_decode_steps_match_reference():
+    config, weights = random_model()
+    ref = ReferenceModel(config, weights)
+    int8 = Int8Llama(config, weights)
+    seqs = [list(range(3, 3 + n)) for n in (24, 9)]
+    chunks = [[20] + [1] * 4, [5] + [1] * 4]
+    got = paged_logits(int8, config, seqs, chunks)
+    for s, o in zip(seqs, got, strict=True):
+        e = ref.forward(torch.tensor(s))
+        assert rel_err(o, e) < 0.06
+        assert (o.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
+
+
+TEXT = (
+    "The history of computing is longer than the history of computing hardware and modern "
+    "computing technology and includes the history of methods intended for pen and paper or for "
+    "chalk and slate, with or without the aid of tables. Digital computing is intimately tied to "
+    "the representation of numbers. But long before abstractions like the number arose, there "
+    "were mathematical concepts to serve the purposes of civilization. These concepts are "
+    "implicit in concrete practices such as one-to-one correspondence, the basis of counting, "
+    "and comparison to a standard, used for measurement. The earliest known tool for use in "
+    "computation was the abacus, and it was thought to have been invented in Babylon circa "
+    "2400 BC. Its original style of usage was by lines drawn in sand with pebbles. Abaci, of a "
+    "more modern design, are still used as calculation tools today."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm_int8(smollm):
+    return Int8Llama(smollm.config, smollm.weights)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="per-channel int8 weights x per-token int8 activations reach ~82% top-1 agreement and "
+    "+2.7% perplexity on SmolLM2; the accurate W8(group 32) x A16 GEMM is in progress",
+)
+def test_smollm2_teacher_forced_agreement_and_perplexity(smollm, smollm_ref, smollm_int8):
+    ids = smollm.tokenizer.encode(TEXT)
+    assert len(ids) > 150
+    expected = smollm_ref.forward(torch.tensor(ids))
+    got = paged_logits(
+        smollm_int8, smollm.config, [ids], [[64] * (len(ids) // 64) + [len(ids) % 64]]
+    )[0]
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    target = torch.tensor(ids[1:])
+
+    def ppl(logits):
+        return math.exp(torch.nn.functional.cross_entropy(logits[:-1], target).item())
+
+    print(f"\ntop-1 agreement {agree:.4f}; ppl fp32 {ppl(expected):.3f} int8 {ppl(got):.3f}")
+    assert agree >= 0.98
+    assert abs(ppl(got) / ppl(expected) - 1) < 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="per-channel int8 weights x per-token int8 activations reach ~82% top-1 agreement and "
+    "+2.7% perplexity on SmolLM2; the accurate W8(group 32) x A16 GEMM is in progress",
+)
+def test_smollm2_greedy_continuations_are_identical(smollm, smollm_ref, smollm_int8):
+    tok = smollm.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompts = [
+        tok.encode("The capital of France is"),
+        tok.encode("def fibonacci(n):"),
+        tok.encode(chat, add_special_tokens=False),
+    ]
+    for ids in prompts:
+        want = smollm_ref.generate_greedy(ids, 16)
+        seq = list(ids)
+        kv = allocate_kv(smollm.config, 8, BLOCK)
+        table = list(range(8))
+        start = 0
+        for _ in range(16):
+            b = BatchInputs.build([(seq, start, len(seq) - start, table)], BLOCK, [True])
+            start = len(seq)
+            seq.append(int(smollm_int8.forward(b, kv).argmax(-1)))
+        assert seq[len(ids) :] == want, tok.decode(seq[len(ids) :]) + " vs " + tok.decode(want)
