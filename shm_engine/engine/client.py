@@ -81,6 +81,8 @@ class InprocClient:
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         if self._errors:
             return self._errors.pop(0)
+        if self.core.batch_queue_size > 1:
+            return self.core.step_with_batch_queue()
         return self.core.step()
 
     def call_utility(self, method: str, *args: Any) -> Any:

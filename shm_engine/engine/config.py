@@ -22,6 +22,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     num_threads: int = 0  # 0: every core this process may run on
+    batch_queue_size: int = 1  # 2: schedule step N+1 while step N runs in the model thread
     dtype: str = "int8"  # "int8" (VNNI kernels) or "float32" (torch reference path)
     log_stats: bool = True
 
@@ -34,6 +35,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
+        if self.batch_queue_size < 1:
+            raise ValueError("batch_queue_size must be at least 1")
         if self.dtype not in ("int8", "float32"):
             raise ValueError(f"dtype must be 'int8' or 'float32', got {self.dtype!r}")
 

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner=None, batch_queue_size: int = 1) -> None:
+    def __init__(self, config: EngineConfig, runner=None) -> None:
         if runner is None:
             from shm_engine.engine.model_runner import ModelRunner
 
@@ -36,9 +36,9 @@ class EngineCore:
         self._profiler = None
         self.step_time = 0.0  # seconds in the model, for stats
         self.sched_time = 0.0  # seconds in schedule + update
-        self.batch_queue_size = batch_queue_size
+        self.batch_queue_size = config.batch_queue_size
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
-        self._executor = ThreadPoolExecutor(1, "model") if batch_queue_size > 1 else None
+        self._executor = ThreadPoolExecutor(1, "model") if self.batch_queue_size > 1 else None
         # EngineCoreProc installs a hook that applies aborts which arrived while the model ran,
         # before update_from_output, so an aborted request gets no further token.
         self.before_update = lambda: None

@@ -268,3 +268,9 @@ def test_llm_generate_matches_in_process_engine():
     assert stopped.finish_reason == "stop" and stopped.stop_reason == "8"
     assert "8" not in stopped.text
     inproc.shutdown()
+    # Overlapped scheduling (batch queue) must not change what is generated.
+    overlapped = LLM(dtype=DTYPE, num_kv_blocks=256, in_process=True, batch_queue_size=2)
+    bq = overlapped.generate(prompts, params, use_tqdm=False)
+    overlapped.shutdown()
+    for a, b in zip(bq, ip, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
