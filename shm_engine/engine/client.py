@@ -99,21 +99,35 @@ class InprocClient:
 class SyncMPClient:
     """Spawns an engine process and exchanges messages with it over a shared-memory channel."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup_timeout: float = 300.0,
+        engine_index: int = 0,
+        outputs: queue.Queue | None = None,
+    ) -> None:
+        """``outputs``: a queue shared with other clients (data parallel merges replicas here)."""
         from shm_engine.ipc import ChannelListener
 
         self.config = config
+        self.engine_index = engine_index
         self._dead: str | None = None
         self._closing = False
         self._call_ids = itertools.count()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
-        self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = outputs or queue.Queue()
         self.listener = ChannelListener()
         # NOTE: a fresh interpreter (not multiprocessing's spawn) so the user's __main__ is never
         # re-imported in the engine and scripts need no `if __name__ == "__main__"` guard.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shm_engine.engine.core_proc", self.listener.address],
+            [
+                sys.executable,
+                "-m",
+                "shm_engine.engine.core_proc",
+                self.listener.address,
+                str(engine_index),
+            ],
             stdin=subprocess.DEVNULL,
         )
         try:

@@ -22,6 +22,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     num_threads: int = 0  # 0: every core this process may run on
+    cpu_ids: list[int] | None = None  # pin the engine process (data-parallel replicas)
     batch_queue_size: int = 1  # 2: schedule step N+1 while step N runs in the model thread
     dtype: str = "int8"  # "int8" (VNNI kernels) or "float32" (torch reference path)
     log_stats: bool = True
@@ -41,4 +42,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"dtype must be 'int8' or 'float32', got {self.dtype!r}")
 
     def resolved_threads(self) -> int:
-        return self.num_threads or len(os.sched_getaffinity(0))
+        if self.num_threads:
+            return self.num_threads
+        return len(self.cpu_ids) if self.cpu_ids else len(os.sched_getaffinity(0))

@@ -78,6 +78,10 @@ class EngineCoreProc:
                 f"expected EngineStartup in the handshake, got {type(startup).__name__}"
             )
         self.config: EngineConfig = startup.config
+        if self.config.cpu_ids:
+            # NOTE: before the model loads, so every thread created later (kernel pool, torch,
+            # IO threads) inherits the mask.
+            os.sched_setaffinity(0, self.config.cpu_ids)
         self.core = EngineCore(self.config)
         self.core.before_update = self._apply_eager_aborts
         runner = self.core.runner

@@ -29,13 +29,27 @@ Conversation = Sequence[Mapping[str, Any]]
 class LLM:
     """Runs an engine (in another process by default) and generates for batches of prompts."""
 
-    def __init__(self, model: str | None = None, *, in_process: bool = False, **engine_args: Any):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        in_process: bool = False,
+        data_parallel_size: int = 1,
+        **engine_args: Any,
+    ):
         from shm_engine.model.loader import load_model
 
         self.config = EngineConfig(model=model, **engine_args)
         # NOTE: load_model is lazy (weights are read on access), so this only parses metadata.
         self.tokenizer = load_model(model).tokenizer
-        self.client = InprocClient(self.config) if in_process else SyncMPClient(self.config)
+        if in_process:
+            self.client = InprocClient(self.config)
+        elif data_parallel_size > 1:
+            from shm_engine.engine.dp_client import DPClient
+
+            self.client = DPClient(self.config, data_parallel_size)
+        else:
+            self.client = SyncMPClient(self.config)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -274,3 +274,25 @@ def test_llm_generate_matches_in_process_engine():
     overlapped.shutdown()
     for a, b in zip(bq, ip, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_data_parallel_replicas_share_the_work():
+    import psutil
+
+    from shm_engine import LLM
+
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    before = shm_entries()
+    with LLM(dtype=DTYPE, num_kv_blocks=128, data_parallel_size=2) as llm:
+        dp = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+        affinities = [psutil.Process(e.proc.pid).cpu_affinity() for e in llm.client.engines]
+    assert len(stats) == 2 and all(s.step_count > 0 for s in stats)
+    assert affinities[0] and affinities[1] and not set(affinities[0]) & set(affinities[1])
+    single = LLM(dtype=DTYPE, num_kv_blocks=128, in_process=True)
+    ref = single.generate(prompts, params, use_tqdm=False)
+    single.shutdown()
+    for a, b in zip(dp, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert shm_entries() <= before
