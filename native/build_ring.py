@@ -39,6 +39,7 @@ uint32_t ring_write_progress(ring_t *r, int *mid_message);
 void ring_write_abort(ring_t *r);
 int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
               uint64_t slice_ns, int spin);
+int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slice_ns, int spin);
 void ring_release(ring_t *r);
 void ring_close(ring_t *r);
 int ring_peer_closed(ring_t *r);

@@ -616,6 +616,8 @@ int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
         return RING_EINVAL;
     if (!magic_ok(r))
         return poison(r, RING_C_MAGIC);
+    if (atomic_load_explicit(&r->h->cons_closed, memory_order_relaxed))
+        return RING_ECLOSED; /* closed locally */
     /* Everything handed out by the previous call is done with now (the lifetime rule). */
     release(r);
     set_deadline(r, slice_ns);
@@ -682,4 +684,12 @@ int ring_bench_sem_wait(uint8_t *p, uint64_t timeout_ns)
             return -errno;
     }
     return 0;
+}
+
+int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slice_ns, int spin)
+{
+    int n = ring_read(r, out, max_entries, 1, slice_ns, spin);
+    if (n == 1 && (out[1] >> 32) == (RING_K_DATA | RING_F_FRAME_END | RING_F_MSG_END))
+        return (int64_t)((out[0] << 32) | (out[1] & 0xffffffffu)); /* >= 2^32: offset >= 520 */
+    return n;
 }

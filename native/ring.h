@@ -54,6 +54,9 @@ void ring_write_abort(ring_t *r);
 
 int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
               uint64_t slice_ns, int spin);
+/* One message.  A single-frame message comes back packed as (offset << 32 | len), always
+ * >= 2^32, saving the caller from reading `out`; otherwise the entry count (as ring_read). */
+int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slice_ns, int spin);
 void ring_release(ring_t *r);
 
 void ring_close(ring_t *r);

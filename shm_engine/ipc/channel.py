@@ -34,6 +34,9 @@ _LARGE = lib.RING_F_LARGE << 32
 _SIMPLE = (lib.RING_K_DATA | lib.RING_F_FRAME_END | lib.RING_F_MSG_END) << 32
 _EAGAIN = lib.RING_EAGAIN
 _ENOBUFS = -105
+_write1 = lib.ring_write1
+_read1 = lib.ring_read1
+_readn = lib.ring_read
 _POLL_MASK = select.POLLIN | select.POLLHUP | select.POLLERR
 _CORRUPT_DETAIL = {
     1: "bad magic",
@@ -120,6 +123,8 @@ class Channel:
         self._sock = sock
         self._tx = _Ring(base + tx_offset, size, lib.RING_ROLE_PRODUCER, sock)
         self._rx = _Ring(base + rx_offset, size, lib.RING_ROLE_CONSUMER, sock)
+        self._txr = self._tx.r
+        self._rxr = self._rx.r
         for ring in (self._tx, self._rx):
             lib.ring_set_spin(ring.r, int(spin_min_us * 1000), int(spin_us * 1000))
         self.capacity = capacity
@@ -129,6 +134,8 @@ class Channel:
         self._enc = Encoder()
         self._dec = Decoder(recv_type, copy_arrays=not zero_copy)
         self._decode = self._dec.decode
+        self._decode_body = self._dec._dec.decode  # single-frame fast path (no aux frames)
+        self._encode_body = self._enc._enc.encode
         self._closed = False
         self._peer_dead = False
         self._pending: Callable[[int, int], int] | None = None
@@ -154,6 +161,8 @@ class Channel:
 
     def _raise(self, rc: int, ring: _Ring) -> None:
         if rc == lib.RING_ECLOSED:
+            if self._closed:
+                raise ChannelClosedError("channel closed locally")
             raise ChannelClosedError("the peer closed the channel")
         if rc == lib.RING_ECORRUPT:
             detail = _CORRUPT_DETAIL.get(lib.ring_corrupt_detail(ring.r), "unknown")
@@ -209,12 +218,20 @@ class Channel:
                 self._pending = None
                 self._raise(rc, self._tx)
 
-    def _write(self, call: Callable[[int, int], int], nmsgs: int, timeout: float | None) -> None:
-        if self._closed:
-            raise ChannelClosedError("channel closed locally")
-        if self._pending is not None:
-            self._drive(self._pending, 0, timeout)
-        rc = call(self._slice(timeout), 1)
+    def _write(
+        self,
+        call: Callable[[int, int], int],
+        nmsgs: int,
+        timeout: float | None,
+        rc: int | None = None,
+    ) -> None:
+        """Run a write; ``rc`` is the result of a first attempt a fast path already made."""
+        if rc is None:
+            if self._closed:
+                raise ChannelClosedError("channel closed locally")
+            if self._pending is not None:
+                self._drive(self._pending, 0, timeout)
+            rc = call(self._slice(timeout), 1)
         if rc == 0:
             return
         if rc != _EAGAIN:
@@ -256,14 +273,25 @@ class Channel:
 
     def send(self, obj: Any, timeout: float | None = None) -> None:
         """Encode and send one message; blocks while the ring is full (backpressure)."""
-        frames = self._enc.encode(obj)
-        if len(frames) == 1:
-            body = frames[0]
-            tx = self._tx.r
-            n = len(body)
-            self._write(lambda s, sp: lib.ring_write1(tx, body, n, s, sp), 1, timeout)
+        aux: list[Any] = []
+        self._enc._aux = aux
+        body = self._encode_body(obj)
+        if aux:
+            self._write_frames([[body, *aux]], timeout)
         else:
-            self._write_frames([frames], timeout)
+            self._send1(body, timeout)
+
+    def _send1(self, body: bytes, timeout: float | None) -> None:
+        tx = self._txr
+        n = len(body)
+        if self._pending is None:
+            sl = self._slice_ns if timeout is None else self._slice(timeout)
+            rc = _write1(tx, body, n, sl, 1)
+            if rc == 0:
+                return
+            self._write(lambda s, sp: _write1(tx, body, n, s, sp), 1, timeout, rc)
+        else:
+            self._write(lambda s, sp: _write1(tx, body, n, s, sp), 1, timeout)
 
     def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
         """Send a batch with one C call (one head publish, at most one wake-up)."""
@@ -297,24 +325,23 @@ class Channel:
 
     def send_bytes(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
         """Send one message made of raw frames (no codec)."""
-        if len(frames) == 1 and isinstance(frames[0], bytes):
-            body = frames[0]
-            tx = self._tx.r
-            n = len(body)
-            self._write(lambda s, sp: lib.ring_write1(tx, body, n, s, sp), 1, timeout)
+        if len(frames) == 1 and type(frames[0]) is bytes:
+            self._send1(frames[0], timeout)
         else:
             self._write_frames([frames], timeout)
 
     # ---- receiving ----------------------------------------------------------------------
 
-    def _read(self, max_msgs: int, timeout: float | None) -> int:
-        """Return the number of entries in self._out, waiting in slices; raises on errors."""
-        if self._closed:
-            raise ChannelClosedError("channel closed locally")
+    def _read(self, max_msgs: int, timeout: float | None, n: int | None = None) -> int:
+        """Return the number of entries in self._out, waiting in slices; raises on errors.
+
+        ``n`` is the result of a first C call a fast path already made (then <= 0).
+        """
         rx = self._rx
-        n = lib.ring_read(rx.r, self._out, self._out_n, max_msgs, self._slice(timeout), 1)
-        if n > 0:
-            return n
+        if n is None:
+            n = _readn(rx.r, self._out, self._out_n, max_msgs, self._slice(timeout), 1)
+            if n > 0:
+                return n
         deadline = (
             None if timeout is None else time.monotonic() + timeout - self._slice(timeout) / 1e9
         )
@@ -389,24 +416,33 @@ class Channel:
 
     def recv_bytes(self, timeout: float | None = None) -> list[Buffer]:
         """Receive one message as raw frames (views into the ring unless zero_copy=False)."""
-        frames = self._collect(self._read(1, timeout), timeout)[0]
+        sl = self._slice_ns if timeout is None else self._slice(timeout)
+        v = _read1(self._rxr, self._out, self._out_n, sl, 1)
+        if v > _M32:  # one frame, packed as offset << 32 | length
+            o = (v >> 32) + self._rx_base
+            frames: list[Buffer] = [self._mv[o : o + (v & _M32)]]
+        else:
+            n = v if v > 0 else self._read(1, timeout, v)
+            frames = self._collect(n, timeout)[0]
         if not self._zero_copy:
             frames = [bytes(f) for f in frames]
         return frames
 
     def recv(self, timeout: float | None = None) -> Any:
         """Receive and decode one message; TimeoutError, PeerDeadError, ChannelClosedError."""
-        n = self._read(1, timeout)
-        if n == 1 and self._partial is None:
-            lk = self._outmv[1]
-            if lk >> 32 == _SIMPLE >> 32:
-                o = self._outmv[0] + self._rx_base
-                return self._decode((self._mv[o : o + (lk & _M32)],))
+        sl = self._slice_ns if timeout is None else self._slice(timeout)
+        v = _read1(self._rxr, self._out, self._out_n, sl, 1)
+        if v > _M32:  # one frame, packed as offset << 32 | length
+            o = (v >> 32) + self._rx_base
+            return self._decode_body(self._mv[o : o + (v & _M32)])
+        n = v if v > 0 else self._read(1, timeout, v)
         return self._decode(self._collect(n, timeout)[0])
 
     def recv_all(self, timeout: float | None = None) -> list[Any]:
         """Receive every message already available (blocking only for the first one)."""
-        n = self._read(0xFFFFFFFF, timeout)
+        n = _readn(self._rxr, self._out, self._out_n, 0xFFFFFFFF, self._slice(timeout), 1)
+        if n <= 0:
+            n = self._read(0xFFFFFFFF, timeout, n)
         if self._partial is not None:
             return [self._decode(self._collect(n, timeout)[0])]
         vals = self._outmv[: 2 * n].tolist()
