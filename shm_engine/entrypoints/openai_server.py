@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -667,4 +668,12 @@ def serve(
         timeout_graceful_shutdown=3,
         lifespan="on",
     )
+    # uvicorn re-raises the stop signal once it has shut down gracefully; a requested stop that
+    # completed cleanly is a success, so that re-raise ends the process with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
     uvicorn.Server(uv).run()
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)

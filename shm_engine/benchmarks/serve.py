@@ -1,0 +1,411 @@
+"""``shm-engine bench serve``: a load generator for any OpenAI-compatible endpoint.
+
+    shm-engine bench serve --base-url http://127.0.0.1:8000 --concurrency 16 --num-prompts 64 \\
+        --input-len 128 --output-len 128 --json out.json [--plot out.png] [--sweep 1,4,16]
+
+Each request streams (SSE) so the client sees every token arrive: TTFT is send -> first non-empty
+text, ITL the gaps between later text chunks, TPOT (latency - TTFT) / (output tokens - 1) per
+request, output tokens from the server's ``usage`` (falling back to counting chunks). Arrivals
+are Poisson at ``--request-rate`` (default: all at once), at most ``--concurrency`` in flight.
+Prompts are random token strings of ``--input-len`` tokens (the embedded model's tokenizer, or
+``--tokenizer``), or lines of ``--dataset-path`` (text, or JSONL with a "prompt" field).
+``ignore_eos`` is sent so every request generates exactly ``--output-len`` tokens on servers
+that honour it (vLLM, ours); pass ``--no-ignore-eos`` for strict OpenAI servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def random_prompts(
+    n: int, input_len: int, tokenizer_path: str | None, seed: int
+) -> list[tuple[str, int]]:
+    """``n`` distinct prompts of about ``input_len`` tokens (random tokens, re-encoded to fit)."""
+    from shm_engine.model.loader import load_model
+
+    tok = load_model(tokenizer_path).tokenizer
+    rng = np.random.default_rng(seed)
+    special = set(tok.all_special_ids)
+    lo, hi = 300, max(301, tok.vocab_size - 300)  # skip bytes/specials at the ends
+    prompts = []
+    for _ in range(n):
+        ids = [int(t) for t in rng.integers(lo, hi, input_len) if int(t) not in special]
+        text = tok.decode(ids)
+        # Decoding and re-encoding changes the count; trim or pad until it is exact-ish.
+        for _ in range(4):
+            enc = tok.encode(text, add_special_tokens=False)
+            if len(enc) > input_len:
+                text = tok.decode(enc[:input_len])
+            elif len(enc) < input_len:
+                extra = [int(t) for t in rng.integers(lo, hi, input_len - len(enc))]
+                text = text + tok.decode(extra)
+            else:
+                break
+        prompts.append((text, len(tok.encode(text, add_special_tokens=False))))
+    return prompts
+
+
+def file_prompts(path: str, n: int) -> list[tuple[str, int]]:
+    """Prompts from a text file (one a line) or JSONL ({"prompt": ...}), cycled to ``n``."""
+    items: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                obj = json.loads(line)
+                line = obj.get("prompt") or obj.get("text") or ""
+            items.append(line)
+    if not items:
+        raise SystemExit(f"no prompts in {path}")
+    return [(items[i % len(items)], 0) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- one request
+
+
+async def send_request(
+    client, url: str, payload: dict[str, Any], chat: bool, prompt_tokens: int
+) -> RequestResult:
+    """Stream one request; timestamps are taken as each SSE line arrives."""
+    res = RequestResult(prompt_tokens=prompt_tokens)
+    chunks = 0
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"].get("message", obj["error"]))
+                    return res
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = usage.get("completion_tokens") or res.output_tokens
+                    res.prompt_tokens = usage.get("prompt_tokens") or res.prompt_tokens
+                choices = obj.get("choices") or []
+                if not choices:
+                    continue
+                c = choices[0]
+                text = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as e:  # network errors count as failed requests, not a crash
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - t0
+    if not res.output_tokens:
+        res.output_tokens = chunks
+    res.ok = chunks > 0
+    if not res.ok:
+        res.error = "no tokens received"
+    return res
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    """mean/std/percentiles in milliseconds (zeros when there is nothing to measure)."""
+    if not values:
+        return {"mean": 0.0, "std": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+    a = np.asarray(values) * 1e3
+    out = {"mean": float(a.mean()), "std": float(a.std())}
+    for p in PERCENTILES:
+        out[f"p{p}"] = float(np.percentile(a, p))
+    return out
+
+
+async def run_load(
+    args: argparse.Namespace,
+    prompts: list[tuple[str, int]],
+    model: str,
+    concurrency: int | None,
+    request_rate: float,
+) -> dict[str, Any]:
+    """Send every prompt with the given arrival rate and concurrency cap; return the report."""
+    import httpx
+    from tqdm import tqdm
+
+    chat = args.endpoint.rstrip("/").endswith("chat/completions")
+    url = args.base_url.rstrip("/") + args.endpoint
+    limit = concurrency or len(prompts)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    sem = asyncio.Semaphore(limit)
+    rng = random.Random(args.seed)
+    bar = tqdm(
+        total=len(prompts),
+        desc=f"c={concurrency or 'inf'} rate={request_rate:g}",
+        disable=args.no_progress,
+        file=sys.stderr,
+    )
+
+    def payload(text: str, max_tokens: int = args.output_len) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": args.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if not args.no_ignore_eos:
+            body["ignore_eos"] = True
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        return body
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        for i in range(args.warmup):
+            # Not one of the measured prompts: those must not find their prefix cached.
+            w = await send_request(client, url, payload(f"Warm-up {i}: count to ten.", 4), chat, 0)
+            if not w.ok:
+                raise SystemExit(f"warm-up request failed: {w.error}")
+
+        async def one(text: str, n: int) -> RequestResult:
+            async with sem:
+                r = await send_request(client, url, payload(text), chat, n)
+            bar.update(1)
+            return r
+
+        tasks = []
+        start = time.perf_counter()
+        for text, n in prompts:
+            tasks.append(asyncio.create_task(one(text, n)))
+            if math.isfinite(request_rate) and request_rate > 0:
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return report(results, duration, args, model, concurrency, request_rate)
+
+
+def report(
+    results: list[RequestResult],
+    duration: float,
+    args: argparse.Namespace,
+    model: str,
+    concurrency: int | None,
+    request_rate: float,
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "concurrency": concurrency,
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors[:5],
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_tok_s": out_tokens / duration if duration > 0 else 0.0,
+        "total_tok_s": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(tpots),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2el_ms": _stats([r.latency for r in ok]),
+    }
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    line = "=" * 60
+    print(line)
+    print(f" Serving benchmark: {rep['model']} at {rep['base_url']}{rep['endpoint']}")
+    print(f"   concurrency {rep['concurrency'] or 'unlimited'}, request rate {rep['request_rate']}")
+    print(line)
+    rows = [
+        ("Successful requests", f"{rep['completed']} / {rep['num_prompts']}"),
+        ("Duration (s)", f"{rep['duration_s']:.2f}"),
+        ("Input tokens", rep["total_input_tokens"]),
+        ("Output tokens", rep["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{rep['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{rep['output_tok_s']:.1f}"),
+        ("Total token throughput (tok/s)", f"{rep['total_tok_s']:.1f}"),
+    ]
+    for k, v in rows:
+        print(f" {k:<34}{v:>24}")
+    for key, name in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2el_ms", "E2E latency"),
+    ):
+        s = rep[key]
+        print(
+            f" {name + ' (ms)':<20} mean {s['mean']:8.2f}  p50 {s['p50']:8.2f}  p99 {s['p99']:8.2f}"
+        )
+    if rep["errors"]:
+        print(" errors:", *rep["errors"], sep="\n   ")
+    print(line)
+
+
+def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
+    """Latency percentiles and output throughput against the swept load parameter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r[x_key] if r[x_key] not in (None, "inf") else float("nan") for r in runs]
+    if all(isinstance(x, float) and math.isnan(x) for x in xs):
+        xs = list(range(1, len(runs) + 1))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label, style in (
+        ("ttft_ms", "TTFT", "o-"),
+        ("tpot_ms", "TPOT", "s-"),
+        ("itl_ms", "ITL", "^-"),
+    ):
+        ax.plot(xs, [r[key]["p50"] for r in runs], style, label=f"{label} p50")
+        ax.plot(xs, [r[key]["p99"] for r in runs], style, alpha=0.4, label=f"{label} p99")
+    ax.set_xlabel(x_key.replace("_", " "))
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(xs, [r["output_tok_s"] for r in runs], "k--", label="output tok/s")
+    ax2.set_ylabel("output tokens/s")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    ax.set_title(f"{runs[0]['model']}: latency and throughput vs {x_key.replace('_', ' ')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="shm-engine bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random prompts)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
+    p.add_argument("--dataset-path", default=None, help="prompts file (text lines or JSONL)")
+    p.add_argument("--tokenizer", default=None, help="model path whose tokenizer sizes prompts")
+    p.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second"
+    )
+    p.add_argument("--sweep", default=None, help="comma-separated values of --sweep-param")
+    p.add_argument("--sweep-param", default="concurrency", choices=["concurrency", "request_rate"])
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write a PNG of latency against load")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+async def _model_id(base_url: str) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30.0) as c:
+        r = await c.get(base_url.rstrip("/") + "/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
+    model = args.model or await _model_id(args.base_url)
+    if args.dataset_path:
+        prompts = file_prompts(args.dataset_path, args.num_prompts)
+    else:
+        prompts = random_prompts(args.num_prompts, args.input_len, args.tokenizer, args.seed)
+    values: list[float | None] = [None]
+    if args.sweep:
+        values = [float(v) for v in args.sweep.split(",") if v.strip()]
+    runs = []
+    for v in values:
+        conc, rate = args.concurrency, args.request_rate
+        if v is not None and args.sweep_param == "concurrency":
+            conc = int(v)
+        elif v is not None:
+            rate = v
+        rep = await run_load(args, prompts, model, conc, rate)
+        print_report(rep)
+        runs.append(rep)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = asyncio.run(amain(args))
+    if args.json:
+        # The last (highest-load) run's figures at the top level; every run under "runs".
+        doc = dict(runs[-1])
+        if len(runs) > 1:
+            doc["sweep_param"] = args.sweep_param
+            doc["runs"] = runs
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+    if args.plot:
+        plot(runs, args.sweep_param if args.sweep else "concurrency", args.plot)
+    return 0 if all(r["completed"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server, live: the official ``openai`` client, errors, disconnects,
+metrics, ``bench serve`` and a clean shutdown. One server per module (the model loads once);
+the shutdown test runs last and stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 512  # what conftest starts the server with
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def wait_idle(server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = server.metric("num_requests_running")
+        waiting = server.metric("num_requests_waiting")
+        inflight = server.metric("frontend_requests_in_flight")
+        if running == waiting == inflight == 0:
+            return
+        assert time.monotonic() < deadline, f"still busy: {running=} {waiting=} {inflight=}"
+        time.sleep(0.2)
+
+
+def test_models_and_health(server, model: str) -> None:
+    assert model == "SmolLM2-135M-Instruct"
+    assert httpx.get(server.url + "/health").status_code == 200
+    info = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert info["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_completion(client: openai.OpenAI, model: str) -> None:
+    prompt = "The capital of France is"
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert c.text.strip() and c.finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 0
+    # Greedy is deterministic, and a repeated long prompt is served from the prefix cache.
+    long_prompt = "Once upon a time, in a land far away, " * 8
+    a = client.completions.create(model=model, prompt=long_prompt, max_tokens=4, temperature=0)
+    b = client.completions.create(model=model, prompt=long_prompt, max_tokens=4, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+    assert b.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_completion_stream(client: openai.OpenAI, model: str) -> None:
+    kw = dict(model=model, prompt="Count: one, two,", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "What is 2 + 2? Answer with a number."}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert "4" in r.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == r.choices[0].message.content
+
+
+def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
+    kw = dict(model=model, prompt="My favourite colour is", max_tokens=8, temperature=1.0, seed=7)
+    a = client.completions.create(**kw, n=3)
+    b = client.completions.create(**kw, n=3)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
+    # stop: the text ends before the stop string, in streaming and not
+    base = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=12, temperature=0)
+    stop = base.choices[0].text.strip()[:2] or ","
+    s = client.completions.create(
+        model=model, prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert stop not in s.choices[0].text and s.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=model, prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[stop], stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == s.choices[0].text
+    # logprobs, completions and chat
+    lp = (
+        client.completions.create(
+            model=model, prompt="Hello", max_tokens=4, temperature=0, logprobs=2
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) >= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+@pytest.mark.parametrize(
+    "path,body,needle",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "hi " * 600}, "context length"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "context length"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ],
+)
+def test_invalid_requests_are_400(server, path: str, body: dict, needle: str) -> None:
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_bad_json_unknown_model_and_openai_errors(server, client: openai.OpenAI) -> None:
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi " * 600)
+    assert httpx.get(server.url + "/health").status_code == 200  # still serving
+
+
+def test_disconnect_aborts_request(server, model: str) -> None:
+    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data:")
+            if got >= 3:
+                break  # leaving the block closes the connection mid-stream
+    assert server.metric("num_requests_running") <= 1
+    wait_idle(server, timeout=10.0)  # 400 tokens would take far longer than this
+    # Non-streaming: the client gives up; the server notices and aborts too.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    wait_idle(server, timeout=10.0)
+
+
+def test_metrics(server) -> None:
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_hit_rate",
+        "time_to_first_token_seconds_bucket",
+        "time_per_output_token_seconds_bucket",
+        "generation_tokens_total",
+    ):
+        assert f"shm_engine_{name}" in text, name
+    assert server.metric("prefix_cache_hit_rate") > 0  # test_completion repeated a prompt
+    assert server.metric("time_to_first_token_seconds_count") > 0
+
+
+def test_bench_serve(server, tmp_path) -> None:
+    from shm_engine.benchmarks import serve
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = serve.main(
+        ["--base-url", server.url, "--num-prompts", "6", "--input-len", "24",
+         "--output-len", "8", "--sweep", "1,3", "--json", str(out), "--plot", str(png),
+         "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 6 and rep["failed"] == 0 and rep["concurrency"] == 3
+    assert rep["total_output_tokens"] == 6 * 8  # ignore_eos honoured
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        s = rep[key]
+        assert 0 < s["p50"] <= s["p99"] and s["mean"] > 0, (key, s)
+    assert rep["ttft_ms"]["p50"] < 30_000 and rep["tpot_ms"]["p50"] < 5_000
+    assert rep["request_throughput"] > 0 and rep["output_tok_s"] > 0
+    assert len(rep["runs"]) == 2 and png.stat().st_size > 1000
+
+
+def test_shutdown_sigterm_leaves_nothing(server) -> None:
+    procs = [psutil.Process(server.proc.pid), *server.children]
+    assert server.children, "the engine runs in a child process"
+    # A stream in flight while the server stops must not keep it alive.
+    body = {"prompt": "Go on and on.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        next(line for line in r.iter_lines() if line.startswith("data:"))
+        assert server.stop(signal.SIGTERM, timeout=30) == 0
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, alive
+    assert not server.leaked_shm()
+
+
+def test_engine_death_then_sigint(make_server) -> None:
+    """A dead engine: /health and requests answer 503, the server stays up; SIGINT stops it."""
+    srv = make_server(kv_cache_mib=16)
+    (engine,) = srv.children
+    engine.kill()  # a zombie until the server reaps it at shutdown
+    deadline = time.monotonic() + 10
+    while httpx.get(srv.url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "health did not notice the dead engine"
+        time.sleep(0.1)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["message"]
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert r.status_code == 503
+    assert httpx.get(srv.url + "/v1/models").status_code == 200
+    assert srv.stop(signal.SIGINT, timeout=30) == 0
+    _, alive = psutil.wait_procs([engine, *srv.children], timeout=10)
+    assert not alive
+    assert not srv.leaked_shm()
