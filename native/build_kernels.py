@@ -23,8 +23,9 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "shm_engine._kernels_cffi",
     '#include "api.h"',
-    sources=[str(SRC / s) for s in SOURCES],
-    include_dirs=[str(SRC)],
+    # NOTE: setuptools wants paths relative to setup.py (the build runs from the repo root).
+    sources=[f"native/kernels/{s}" for s in SOURCES],
+    include_dirs=["native/kernels"],
     extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
     libraries=["pthread"],
 )

@@ -56,8 +56,9 @@ ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "shm_engine._ring_cffi",
     '#include "ring.h"',
-    sources=[str(HERE / "ring.c")],
-    include_dirs=[str(HERE)],
+    # NOTE: setuptools wants paths relative to setup.py (the build runs from the repo root).
+    sources=["native/ring.c"],
+    include_dirs=["native"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     libraries=["pthread"],
 )

@@ -6,7 +6,6 @@ Each build script lives at native/build_<name>.py and defines ``ffibuilder``.
 
 import importlib.util
 import pathlib
-import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -17,10 +16,9 @@ def build(name: str) -> pathlib.Path:
     spec = importlib.util.spec_from_file_location(f"_build_{name}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    built = pathlib.Path(module.ffibuilder.compile(tmpdir=str(ROOT / "build" / f"cffi_{name}")))
-    target = ROOT / "shm_engine" / built.name
-    shutil.copy2(built, target)
-    return target
+    # NOTE: cffi compiles inside tmpdir; with the repo root there, the sources' root-relative paths
+    # resolve and the module lands in shm_engine/ directly (generated .c and .o are git-ignored).
+    return pathlib.Path(module.ffibuilder.compile(tmpdir=str(ROOT)))
 
 
 if __name__ == "__main__":
