@@ -106,34 +106,40 @@ async def send_request(
                 body = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {body[:300]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = str(obj["error"].get("message", obj["error"]))
-                    return res
-                usage = obj.get("usage")
-                if usage:
-                    res.output_tokens = usage.get("completion_tokens") or res.output_tokens
-                    res.prompt_tokens = usage.get("prompt_tokens") or res.prompt_tokens
-                choices = obj.get("choices") or []
-                if not choices:
-                    continue
-                c = choices[0]
-                text = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                if not text:
-                    continue
+            buf = b""
+            # Bytes, split by hand: aiter_lines() decodes and re-splits text in Python, which
+            # costs the client (sharing the machine with the server) more CPU per token.
+            async for data in resp.aiter_bytes():
                 now = time.perf_counter()
-                if chunks == 0:
-                    res.ttft = now - t0
-                else:
-                    res.itl.append(now - last)
-                last = now
-                chunks += 1
+                buf += data
+                *events, buf = buf.split(b"\n")
+                for line in events:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload_ = line[5:].strip()
+                    if payload_ == b"[DONE]":
+                        continue
+                    obj = json.loads(payload_)
+                    if "error" in obj:
+                        res.error = str(obj["error"].get("message", obj["error"]))
+                        return res
+                    usage = obj.get("usage")
+                    if usage:
+                        res.output_tokens = usage.get("completion_tokens") or res.output_tokens
+                        res.prompt_tokens = usage.get("prompt_tokens") or res.prompt_tokens
+                    choices = obj.get("choices")
+                    if not choices:
+                        continue
+                    c = choices[0]
+                    text = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                    if not text:
+                        continue
+                    if chunks == 0:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
     except Exception as e:  # network errors count as failed requests, not a crash
         res.error = f"{type(e).__name__}: {e}"
         return res

@@ -1,0 +1,214 @@
+"""What the HTTP frontend costs: the same work through ``shm-engine serve`` and without it.
+
+    python -m shm_engine.benchmarks.frontend_overhead [--repeats 30] [--streams 16] [--json PATH]
+
+1. TTFT at low load: one short prompt, one request at a time, streamed over HTTP (SSE, keep-alive)
+   vs the engine driven directly over the rings (SyncMPClient) vs the engine in this process
+   (InprocClient). HTTP minus in-process is the frontend's share (target: <= 2 ms p50).
+2. TPOT at ``--streams`` concurrent streams: ``bench serve`` against the server vs the same
+   requests straight through the rings (target: HTTP path <= 5 % of TPOT).
+
+The server, the direct client and this process share the machine, so run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROMPT = "The capital of France is"
+
+
+def _p50(xs: list[float]) -> float:
+    return float(np.percentile(xs, 50))
+
+
+def http_ttft(url: str, model: str, repeats: int) -> list[float]:
+    import httpx
+
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "stream": True}
+    out = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            with c.stream("POST", url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data:") and '"text":"' in line and '"text":""' not in line:
+                        ttft = time.perf_counter() - t0
+                        break
+                for _ in lines:  # drain: the connection is reused
+                    pass
+            if i >= 2:  # warm-up
+                out.append(ttft)
+    return out
+
+
+def client_ttft(client, tokens: list[int], repeats: int, inproc: bool) -> list[float]:
+    from shm_engine.engine.protocol import EngineCoreRequest
+    from shm_engine.sampling_params import SamplingParams
+
+    out = []
+    for i in range(repeats + 2):
+        req = EngineCoreRequest(
+            request_id=f"t{i}",
+            prompt_token_ids=np.asarray(tokens, dtype=np.int32),
+            sampling_params=SamplingParams(temperature=0, max_tokens=2),
+            arrival_time=time.time(),
+        )
+        t0 = time.perf_counter()
+        client.add_request(req)
+        first = None
+        done = False
+        while not done:
+            o = client.get_output(timeout=30) if not inproc else client.get_output()
+            if o is None:
+                continue
+            if first is None and o.request_ids:
+                first = time.perf_counter() - t0
+            done = bool(o.finished)
+        if i >= 2:
+            out.append(first)
+    return out
+
+
+def client_tpot(client, prompts: list[list[int]], output_len: int) -> list[float]:
+    """TPOT of each of len(prompts) concurrent requests driven straight through the client."""
+    from shm_engine.engine.protocol import EngineCoreRequest
+    from shm_engine.sampling_params import SamplingParams
+
+    times: dict[str, list[float]] = {}
+    for i, p in enumerate(prompts):
+        rid = f"c{i}"
+        times[rid] = []
+        client.add_request(
+            EngineCoreRequest(
+                request_id=rid,
+                prompt_token_ids=np.asarray(p, dtype=np.int32),
+                sampling_params=SamplingParams(
+                    temperature=0, max_tokens=output_len, ignore_eos=True
+                ),
+                arrival_time=time.time(),
+            )
+        )
+    left = len(prompts)
+    while left:
+        o = client.get_output(timeout=60)
+        now = time.perf_counter()
+        for row, rid in enumerate(o.request_ids):
+            times[rid].append(now)
+            left -= row in o.finished
+    return [(t[-1] - t[0]) / (output_len - 1) for t in times.values()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--port", type=int, default=18765)
+    ap.add_argument("--kv-cache-mib", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of HTTP and rings")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from shm_engine.benchmarks import serve as bench
+    from shm_engine.engine.client import InprocClient, SyncMPClient
+    from shm_engine.engine.config import EngineConfig
+    from shm_engine.model.loader import load_model
+
+    tok = load_model(None).tokenizer
+    tokens = tok.encode(PROMPT)
+    prompts = bench.random_prompts(args.streams, args.input_len, None, seed=1)
+    prompt_ids = [tok.encode(p, add_special_tokens=False) for p, _ in prompts]
+    res: dict = {}
+
+    import asyncio
+
+    import httpx
+
+    url = f"http://127.0.0.1:{args.port}"
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "shm_engine.entrypoints.cli", "serve", "--port", str(args.port),
+         "--kv-cache-mib", str(args.kv_cache_mib), "--log-level", "warning"],
+    )  # fmt: skip
+    mp = None
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or srv.poll() is not None:
+                raise SystemExit("server did not start")
+            time.sleep(0.3)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        # A second, idle-when-unused engine driven directly; the two paths alternate so that
+        # background load on a shared machine hits both alike.
+        mp = SyncMPClient(EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20))
+        client_tpot(mp, prompt_ids[:2], 4)  # warm-up
+        bargs = bench.parse_args(
+            ["--base-url", url, "--input-len", str(args.input_len),
+             "--output-len", str(args.output_len), "--no-progress", "--warmup", "1"]
+        )  # fmt: skip
+        for k in ("http_ttft_ms", "rings_ttft_ms", "http_tpot_ms", "rings_tpot_ms", "http_tok_s"):
+            res[k] = []
+        for _ in range(args.rounds):
+            res["http_ttft_ms"] += [1e3 * x for x in http_ttft(url, model, args.repeats)]
+            res["rings_ttft_ms"] += [1e3 * x for x in client_ttft(mp, tokens, args.repeats, False)]
+            rep = asyncio.run(bench.run_load(bargs, prompts, model, args.streams, float("inf")))
+            res["http_tpot_ms"].append(rep["tpot_ms"]["p50"])
+            res["http_tok_s"].append(rep["output_tok_s"])
+            res["rings_tpot_ms"].append(1e3 * _p50(client_tpot(mp, prompt_ids, args.output_len)))
+    finally:
+        if mp is not None:
+            mp.shutdown()
+        srv.terminate()
+        srv.wait(60)
+    res["http_tpot_ms_p50"] = statistics.median(res["http_tpot_ms"])
+    res["rings_tpot_ms_p50"] = statistics.median(res["rings_tpot_ms"])
+    res["http_output_tok_s"] = statistics.median(res["http_tok_s"])
+
+    cfg = EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20)
+    ip = InprocClient(cfg)
+    try:
+        res["inproc_ttft_ms"] = [1e3 * x for x in client_ttft(ip, tokens, args.repeats, True)]
+    finally:
+        ip.shutdown()
+
+    summary = {
+        "http_ttft_ms_p50": _p50(res["http_ttft_ms"]),
+        "rings_ttft_ms_p50": _p50(res["rings_ttft_ms"]),
+        "inproc_ttft_ms_p50": _p50(res["inproc_ttft_ms"]),
+        "http_tpot_ms_p50": res["http_tpot_ms_p50"],
+        "rings_tpot_ms_p50": res["rings_tpot_ms_p50"],
+        "http_output_tok_s": res["http_output_tok_s"],
+    }
+    summary["frontend_ttft_overhead_ms"] = (
+        summary["http_ttft_ms_p50"] - summary["inproc_ttft_ms_p50"]
+    )
+    summary["http_vs_rings_ttft_ms"] = summary["http_ttft_ms_p50"] - summary["rings_ttft_ms_p50"]
+    summary["http_tpot_share"] = (
+        summary["http_tpot_ms_p50"] - summary["rings_tpot_ms_p50"]
+    ) / summary["http_tpot_ms_p50"]
+    for k, v in summary.items():
+        print(f"{k:<28} {v:10.3f}")
+    sd = [statistics.pstdev(res[k]) for k in ("http_ttft_ms", "rings_ttft_ms", "inproc_ttft_ms")]
+    print(f"ttft stdev (ms): http {sd[0]:.2f} rings {sd[1]:.2f} inproc {sd[2]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**summary, "raw": res}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
