@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from shm_engine.engine.client import EngineDeadError
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
-from shm_engine.entrypoints.async_engine import AsyncLLM
+from shm_engine.entrypoints.async_engine import AsyncLLM, RequestHandle
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from shm_engine.sampling_params import SamplingParams
@@ -100,6 +100,7 @@ class _Prompt:
     request_id: str
     choices: list[_Choice] = field(default_factory=list)
     final: RequestOutput | None = None
+    handle: RequestHandle | None = None
 
 
 def _holdback(params: SamplingParams) -> int:
@@ -194,10 +195,22 @@ class OpenAIServer:
         self.engine.check_prompt(ids, params)
         return _Prompt(text, ids, params, f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
+    def _start(self, prompts: list[_Prompt]) -> list[RequestHandle]:
+        """Send every prompt to the engine before the HTTP response is set up (TTFT)."""
+        handles: list[RequestHandle] = []
+        try:
+            for p in prompts:
+                p.handle = self.engine.add_request(p.text, p.token_ids, p.params, p.request_id)
+                handles.append(p.handle)
+        except BaseException:
+            for h in handles:
+                h.close()
+            raise
+        return handles
+
     async def _run(self, prompt: _Prompt) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(
-            prompt.text, prompt.token_ids, prompt.params, prompt.request_id
-        ):
+        assert prompt.handle is not None
+        async for out in prompt.handle.outputs():
             prompt.final = out
             yield out
 
@@ -261,8 +274,13 @@ class OpenAIServer:
         params = req.sampling_params()
         prompts = self._prompts_from_completion(req, params)
         if req.stream:
-            return _sse(self._stream_completions(req, prompts))
-        await _until_disconnect(raw, self._collect(prompts))
+            return _SSEResponse(self._stream_completions(req, prompts), self._start(prompts))
+        handles = self._start(prompts)
+        try:
+            await _until_disconnect(raw, self._collect(prompts))
+        finally:
+            for h in handles:
+                h.close()
         choices = []
         for i, p in enumerate(prompts):
             assert p.final is not None
@@ -371,8 +389,12 @@ class OpenAIServer:
         params = req.sampling_params()
         prompt = self._prompt_from_chat(req, params)
         if req.stream:
-            return _sse(self._stream_chat(req, prompt))
-        await _until_disconnect(raw, self._collect([prompt]))
+            return _SSEResponse(self._stream_chat(req, prompt), self._start([prompt]))
+        (handle,) = self._start([prompt])
+        try:
+            await _until_disconnect(raw, self._collect([prompt]))
+        finally:
+            handle.close()
         assert prompt.final is not None
         choices = []
         for c in prompt.final.outputs:
@@ -492,12 +514,27 @@ class OpenAIServer:
 # --------------------------------------------------------------------------- async helpers
 
 
-def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(
-        body,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+class _SSEResponse(StreamingResponse):
+    """An SSE stream whose engine requests are aborted however the response ends.
+
+    The requests are started before the response; if the client vanishes before the body is
+    first iterated, the body generator never runs its cleanup, so the response does it.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], handles: list[RequestHandle]) -> None:
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.handles = handles
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for h in self.handles:
+                h.close()
 
 
 async def _merge(
