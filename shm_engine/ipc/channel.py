@@ -132,7 +132,7 @@ class Channel:
         self._slice_ns = max(1, int(slice_ms * 1e6))
         self._zero_copy = zero_copy
         self._enc = Encoder()
-        self._dec = Decoder(recv_type, copy_arrays=not zero_copy)
+        self._dec = Decoder(recv_type)
         self._decode = self._dec.decode
         self._decode_body = self._dec._dec.decode  # single-frame fast path (no aux frames)
         self._encode_body = self._enc._enc.encode
@@ -426,23 +426,47 @@ class Channel:
             frames = self._collect(n, timeout)[0]
         if not self._zero_copy:
             frames = [bytes(f) for f in frames]
+            lib.ring_release(self._rxr)
         return frames
 
     def recv(self, timeout: float | None = None) -> Any:
         """Receive and decode one message; TimeoutError, PeerDeadError, ChannelClosedError."""
         sl = self._slice_ns if timeout is None else self._slice(timeout)
         v = _read1(self._rxr, self._out, self._out_n, sl, 1)
-        if v > _M32:  # one frame, packed as offset << 32 | length
+        if v > _M32 and self._zero_copy:  # one frame, packed as offset << 32 | length
             o = (v >> 32) + self._rx_base
             return self._decode_body(self._mv[o : o + (v & _M32)])
-        n = v if v > 0 else self._read(1, timeout, v)
-        return self._decode(self._collect(n, timeout)[0])
+        if v > _M32:
+            o = (v >> 32) + self._rx_base
+            frames: list[Buffer] = [self._mv[o : o + (v & _M32)]]
+        else:
+            n = v if v > 0 else self._read(1, timeout, v)
+            frames = self._collect(n, timeout)[0]
+        if not self._zero_copy:
+            frames = self._copy_out([frames])[0]
+        return self._decode(frames)
+
+    def _copy_out(self, msgs: list[list[Buffer]]) -> list[list[Buffer]]:
+        """zero_copy=False: private writable copies, then give the ring space back at once."""
+        out = [[bytearray(f) for f in m] for m in msgs]
+        lib.ring_release(self._rxr)
+        return out
+
+    def release(self) -> None:
+        """Declare the views from the last receive dead, so the producer may reuse that space.
+
+        Receive calls do this implicitly; call it when a thread holds on to its last batch while
+        it does something else (e.g. sends on the same channel and waits for the peer).
+        """
+        lib.ring_release(self._rxr)
 
     def recv_all(self, timeout: float | None = None) -> list[Any]:
         """Receive every message already available (blocking only for the first one)."""
         n = _readn(self._rxr, self._out, self._out_n, 0xFFFFFFFF, self._slice(timeout), 1)
         if n <= 0:
             n = self._read(0xFFFFFFFF, timeout, n)
+        if not self._zero_copy:
+            return [self._decode(m) for m in self._copy_out(self._collect(n, timeout))]
         if self._partial is not None:
             return [self._decode(self._collect(n, timeout)[0])]
         vals = self._outmv[: 2 * n].tolist()

@@ -1,0 +1,269 @@
+"""Channel tests with real processes: ordering, wake-ups, backpressure, crashes, hygiene."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shm_engine.ipc import (
+    ChannelClosedError,
+    ChannelListener,
+    PeerDeadError,
+    channel_pair,
+    connect,
+    segment,
+)
+
+from . import children
+
+CTX = mp.get_context("spawn")
+CAP = 16384  # small ring: many wraps, and 4x capacity forces fragmentation
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("shm_engine-")}
+
+
+def _start(target: Any, *args: Any) -> mp.Process:
+    p = CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+@pytest.fixture
+def created_names() -> Iterator[list[str]]:
+    """Names of the segments created in this process, with their mode checked before unlink."""
+    names: list[str] = []
+
+    def hook(name: str) -> None:
+        mode = stat.S_IMODE(os.stat("/dev/shm" + name).st_mode)
+        assert mode == 0o600, oct(mode)
+        names.append(name)
+
+    segment.set_created_hook(hook)
+    yield names
+    segment.set_created_hook(None)
+    for name in names:
+        assert not os.path.exists("/dev/shm" + name), f"{name} left in /dev/shm"
+
+
+@pytest.fixture(scope="module")
+def echo_channel() -> Iterator[Any]:
+    with ChannelListener() as lst:
+        p = _start(children.echo, lst.address, {})
+        ch = lst.accept(timeout=30, capacity=CAP)
+        yield ch
+        ch.close()
+        p.join(10)
+        assert p.exitcode == 0
+
+
+_size = st.one_of(st.integers(0, 64), st.integers(0, 4096), st.integers(CAP // 2 - 64, 4 * CAP))
+_message = st.tuples(st.lists(_size, min_size=1, max_size=4), st.integers(0, 2**32))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(msgs=st.lists(_message, min_size=1, max_size=60), batched=st.booleans())
+def test_random_sequences_echo_byte_for_byte(echo_channel: Any, msgs: list, batched: bool) -> None:
+    """Random frame groups from 0 B to 4x capacity, sent while the echo flows back."""
+    ch = echo_channel
+    expected = [
+        [children.payload(seed + i, n) for i, n in enumerate(sizes)] for sizes, seed in msgs
+    ]
+    errors: list[BaseException] = []
+
+    def sender() -> None:
+        try:
+            if batched:  # codec path: one frame per message, send_many batches
+                flat = [b"".join(m) for m in expected]
+                for i in range(0, len(flat), 7):
+                    ch.send_many(flat[i : i + 7], timeout=30)
+            else:
+                for m in expected:
+                    ch.send_bytes(m, timeout=30)
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=sender)
+    t.start()
+    try:
+        if batched:
+            got: list[Any] = []
+            while len(got) < len(expected):
+                got.extend(ch.recv_all(timeout=30))
+            assert got == [b"".join(m) for m in expected]
+        else:
+            for m in expected:
+                frames = ch.recv_bytes(timeout=30)
+                assert [bytes(f) for f in frames] == m
+    finally:
+        t.join(60)
+    assert not errors, errors
+
+
+@pytest.mark.timeout(120)
+def test_ping_pong_with_random_delays_loses_no_wakeup() -> None:
+    """200k round trips, random delays on both sides, so both spin and park paths are hit.
+
+    The wait slice is 5 s and the timeouts 5 s: a lost wake-up would surface as TimeoutError
+    instead of being papered over by the periodic liveness re-check.
+    """
+    n = 200_000
+    opts = {"slice_ms": 5000.0}
+    rng = random.Random(1)
+    with ChannelListener() as lst:
+        p = _start(children.ping_pong, lst.address, n, 2, opts)
+        ch = lst.accept(timeout=30, capacity=4096, **opts)
+        for i in range(n):
+            ch.send(i, timeout=5)
+            children.random_delay(rng)
+            assert ch.recv(timeout=5) == i
+        stats = ch.stats()["rx"]
+        ch.close()
+        p.join(10)
+    assert p.exitcode == 0
+    assert stats["parks"] > 100 and stats["spin_hits"] > 1000, stats
+
+
+def test_fast_producer_slow_consumer_backpressure() -> None:
+    n = 3000
+    with ChannelListener() as lst:
+        p = _start(children.fast_producer, lst.address, n, {})
+        ch = lst.accept(timeout=30, capacity=8192)
+        for i in range(n):
+            seq, data = ch.recv(timeout=10)
+            assert seq == i and data == children.payload(i, i % 3000)
+            children.busy_wait(100e-6)  # consumer ~10x slower than the producer
+        tag, stats = ch.recv(timeout=10)
+        assert tag == "stats"
+        with pytest.raises(ChannelClosedError):
+            ch.recv(timeout=10)
+        ch.close()
+        p.join(10)
+    assert p.exitcode == 0
+    assert stats["parks"] > 10, stats  # the producer really blocked on a full ring
+
+
+def _wait_dead(fn: Any, t_kill: float) -> float:
+    with pytest.raises(PeerDeadError):
+        while True:
+            fn()
+    return time.monotonic() - t_kill
+
+
+def test_sigkill_producer_mid_stream(created_names: list[str]) -> None:
+    """The creating side is killed while streaming fragmented messages to us."""
+    before = _shm_names()
+    parent, child_end = CTX.Pipe()
+    p = _start(children.listener_producer, child_end, CAP)
+    ch = connect(parent.recv(), timeout=30)
+    assert parent.recv() == p.pid
+    for _ in range(3):
+        assert len(ch.recv_bytes(timeout=10)[0]) >= 3 * CAP
+    os.kill(p.pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    assert _wait_dead(lambda: ch.recv_bytes(timeout=10), t_kill) < 1.0
+    p.join(10)
+    assert _shm_names() <= before
+
+
+def test_sigkill_consumer_while_producer_blocked(created_names: list[str]) -> None:
+    before = _shm_names()
+    with ChannelListener() as lst:
+        p = _start(children.stalled_consumer, lst.address, 5, {})
+        ch = lst.accept(timeout=30, capacity=CAP)
+        assert len(created_names) == 1
+        threading.Timer(0.5, os.kill, (p.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerDeadError):
+            while True:
+                ch.send_bytes([b"x" * 3000], timeout=10)
+        assert time.monotonic() - t0 < 1.5  # killed at 0.5 s, reported within 1 s
+        p.join(10)
+    assert _shm_names() <= before
+
+
+def test_sigkill_idle_peer_while_blocked_in_recv(created_names: list[str]) -> None:
+    with ChannelListener() as lst:
+        p = _start(children.idle_peer, lst.address, {})
+        ch = lst.accept(timeout=30, capacity=CAP)
+        threading.Timer(0.3, os.kill, (p.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerDeadError):
+            ch.recv(timeout=10)
+        assert time.monotonic() - t0 < 1.3
+        p.join(10)
+
+
+def test_segments_mode_0600_and_unlinked(created_names: list[str]) -> None:
+    """The hook (see fixture) checks mode 0600 before unlink; several peers per listener."""
+    with ChannelListener() as lst:
+        procs = [_start(children.echo, lst.address, {}) for _ in range(2)]
+        chans = [lst.accept(timeout=30, capacity=4096) for _ in procs]
+        assert len(created_names) == 2
+        for name in created_names:
+            assert not os.path.exists("/dev/shm" + name)
+        for i, ch in enumerate(chans):
+            ch.send_bytes([b"hello %d" % i])
+        for i, ch in enumerate(chans):
+            assert bytes(ch.recv_bytes(timeout=10)[0]) == b"hello %d" % i
+            ch.close()
+        for p in procs:
+            p.join(10)
+            assert p.exitcode == 0
+
+
+def test_peer_with_other_uid_is_rejected() -> None:
+    if os.getuid() != 0:
+        pytest.fail("needs root to start a peer under another uid")
+    with ChannelListener() as lst:
+        p = _start(children.other_uid_connect, lst.address)
+        with pytest.raises(PermissionError):
+            lst.accept(timeout=30)
+        p.join(10)
+
+
+def test_close_semantics_and_timeouts() -> None:
+    a, b = channel_pair(4096)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        b.recv(timeout=0.1)
+    assert 0.09 < time.monotonic() - t0 < 0.6
+    a.send_many([1, 2, 3])
+    a.close()
+    a.close()  # idempotent
+    assert b.recv_all(timeout=1) == [1, 2, 3]  # drained first
+    with pytest.raises(ChannelClosedError):
+        b.recv(timeout=1)
+    with pytest.raises(ChannelClosedError):
+        b.send(1)
+    with pytest.raises(ChannelClosedError):
+        a.recv(timeout=1)
+    b.close()
+
+
+def test_send_timeout_on_full_ring_sends_nothing_partial() -> None:
+    a, b = channel_pair(4096)
+    with pytest.raises(TimeoutError):
+        while True:
+            a.send_bytes([b"y" * 1000], timeout=0.05)
+    got = []
+    while True:
+        try:
+            got.append(bytes(b.recv_bytes(timeout=0)[0]))
+        except TimeoutError:
+            break
+    assert got and all(g == b"y" * 1000 for g in got)
+    a.send(b"after")  # the channel is still usable
+    assert b.recv(timeout=1) == b"after"

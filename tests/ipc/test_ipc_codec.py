@@ -1,0 +1,119 @@
+"""Codec round trips: numpy dtypes, torch tensors, nested structs, zero-copy and validation."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from shm_engine.ipc import Decoder, Encoder, channel_pair
+
+DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.float16,
+          np.float32, np.float64, np.complex64]  # fmt: skip
+
+
+class Params(msgspec.Struct, array_like=True):
+    temperature: float
+    stop: list[str]
+
+
+class Req(msgspec.Struct, tag="req"):
+    request_id: str
+    tokens: np.ndarray
+    params: Params
+    extra: dict[str, np.ndarray]
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    ids: list[str]
+
+
+Msg = Req | Abort
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4), (3000,)])
+def test_numpy_round_trip(dtype: type, shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(0)
+    arr = np.asarray(rng.standard_normal(shape) * 100).astype(dtype)
+    frames = Encoder().encode({"a": arr, "nested": [arr, {"b": arr}]})
+    out = Decoder().decode(frames)
+    for got in (out["a"], out["nested"][0], out["nested"][1]["b"]):
+        assert got.dtype == arr.dtype and got.shape == arr.shape
+        np.testing.assert_array_equal(got, arr)
+
+
+def test_non_contiguous_and_big_endian() -> None:
+    arr = np.arange(100, dtype=np.int32).reshape(10, 10).T
+    be = np.arange(10, dtype=">i4")
+    out = Decoder().decode(Encoder().encode([arr, be]))
+    np.testing.assert_array_equal(out[0], arr)
+    np.testing.assert_array_equal(out[1], be)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.float16])
+@pytest.mark.parametrize("n", [5, 5000])
+def test_torch_round_trip(dtype: torch.dtype, n: int) -> None:
+    t = (torch.randn(n) * 10).to(dtype)
+    out = Decoder().decode(Encoder().encode({"t": t}))["t"]
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype
+    assert torch.equal(out, t)
+
+
+def test_typed_nested_structs() -> None:
+    req = Req(
+        "r1",
+        np.arange(500, dtype=np.int32),
+        Params(0.5, ["\n", "END"]),
+        {"logits": np.ones((4, 2000), np.float32)},
+    )
+    frames = Encoder().encode(req)
+    assert len(frames) == 2  # tokens inline (2 KB), logits as an aux frame (32 KB)
+    out = Decoder(Msg).decode(frames)
+    assert isinstance(out, Req) and out.request_id == "r1" and out.params == req.params
+    np.testing.assert_array_equal(out.tokens, req.tokens)
+    np.testing.assert_array_equal(out.extra["logits"], req.extra["logits"])
+    assert Decoder(Msg).decode(Encoder().encode(Abort(["a", "b"]))) == Abort(["a", "b"])
+
+
+def test_large_arrays_are_zero_copy_views_into_the_ring() -> None:
+    a, b = channel_pair(1 << 20)
+    big = np.arange(20_000, dtype=np.int64)  # < capacity / 2: not fragmented
+    a.send({"x": big, "small": np.arange(3)})
+    got = b.recv(timeout=5)
+    np.testing.assert_array_equal(got["x"], big)
+    ring = np.frombuffer(b._mm, dtype=np.uint8)
+    start = ring.ctypes.data
+    assert start <= got["x"].ctypes.data < start + len(ring)  # a view of the mapping
+    kept = got["small"]
+    a.send({"x": big * 2, "small": np.arange(3) + 1})
+    b.recv(timeout=5)
+    np.testing.assert_array_equal(kept, np.arange(3))  # inline arrays are copies
+    a.close()
+    b.close()
+
+
+def test_zero_copy_false_gives_copies() -> None:
+    a, b = channel_pair(1 << 18, zero_copy=False)
+    a.send(np.arange(20_000, dtype=np.int32))
+    got = b.recv(timeout=5)
+    a.send(np.zeros(20_000, dtype=np.int32))
+    b.recv(timeout=5)
+    np.testing.assert_array_equal(got, np.arange(20_000, dtype=np.int32))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"\x01\x00\x00\x00\x01\x05",  # truncated shape
+        b"\x00\x00\x00\x00\x01\x63" + b"\x01" + b"\x00" * 7,  # unknown dtype code
+        b"\x05\x00\x00\x00\x01\x05" + b"\x02" + b"\x00" * 7,  # missing frame 5
+        b"\x00\x00\x00\x00\x01\x05" + b"\x02" + b"\x00" * 7 + b"\x00" * 3,  # size mismatch
+        b"\x00\x00\x00\x00\x01\x05" + b"\xff" * 8,  # negative dimension
+    ],
+)
+def test_malformed_array_headers_raise(bad: bytes) -> None:
+    body = msgspec.msgpack.encode(msgspec.msgpack.Ext(1, bad))
+    with pytest.raises(msgspec.DecodeError):
+        Decoder().decode([body])
