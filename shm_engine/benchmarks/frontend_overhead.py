@@ -29,6 +29,11 @@ def _p50(xs: list[float]) -> float:
     return float(np.percentile(xs, 50))
 
 
+# Idle time before each TTFT request, on both paths (--gap-ms): back-to-back requests find the
+# engine's input thread still spinning on the ring, a faster wake than an idle engine's.
+GAP_S = 0.0
+
+
 def http_ttft(url: str, model: str, repeats: int) -> list[float]:
     """TTFT over HTTP/1.1 keep-alive with a bare socket client.
 
@@ -49,6 +54,7 @@ def http_ttft(url: str, model: str, repeats: int) -> list[float]:
     with socket.create_connection((host.hostname, host.port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for i in range(repeats + 2):
+            time.sleep(GAP_S)
             t0 = time.perf_counter()
             s.sendall(req)
             buf, ttft = b"", None
@@ -73,6 +79,7 @@ def client_ttft(client, tokens: list[int], repeats: int, inproc: bool) -> list[f
             sampling_params=SamplingParams(temperature=0, max_tokens=2),
             arrival_time=time.time(),
         )
+        time.sleep(GAP_S)
         t0 = time.perf_counter()
         client.add_request(req)
         first = None
@@ -127,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=18765)
     ap.add_argument("--kv-cache-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="alternations of HTTP and rings")
+    ap.add_argument("--threads", type=int, default=0, help="engine kernel threads (0: all)")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each request")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    global GAP_S
+    GAP_S = args.gap_ms / 1e3
 
     from shm_engine.benchmarks import serve as bench
     from shm_engine.engine.client import InprocClient, SyncMPClient
@@ -148,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     srv = subprocess.Popen(
         [sys.executable, "-m", "shm_engine.entrypoints.cli", "serve", "--port", str(args.port),
-         "--kv-cache-mib", str(args.kv_cache_mib), "--log-level", "warning"],
+         "--kv-cache-mib", str(args.kv_cache_mib), "--threads", str(args.threads),
+         "--log-level", "warning"],
     )  # fmt: skip
     mp = None
     try:
@@ -165,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         # A second, idle-when-unused engine driven directly; the two paths alternate so that
         # background load on a shared machine hits both alike.
-        mp = SyncMPClient(EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20))
+        mp = SyncMPClient(
+            EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, num_threads=args.threads)
+        )
         client_tpot(mp, prompt_ids[:2], 4)  # warm-up
         bargs = bench.parse_args(
             ["--base-url", url, "--input-len", str(args.input_len),
@@ -189,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     res["rings_tpot_ms_p50"] = statistics.median(res["rings_tpot_ms"])
     res["http_output_tok_s"] = statistics.median(res["http_tok_s"])
 
-    cfg = EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20)
+    cfg = EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, num_threads=args.threads)
     ip = InprocClient(cfg)
     try:
         res["inproc_ttft_ms"] = [1e3 * x for x in client_ttft(ip, tokens, args.repeats, True)]
