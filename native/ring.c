@@ -10,6 +10,7 @@
 #include "ring.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <semaphore.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -20,6 +21,7 @@
 #define RING_MAGIC 0x474e495245524853ULL /* "SHRERING" little-endian */
 #define RING_VERSION 1u
 #define RING_MAX_CAP (1ULL << 30) /* keeps every record length inside u32 */
+#define RING_PURE_SPIN_NS 5000u   /* pause-only polling before sched_yield() joins in */
 
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -311,6 +313,7 @@ static int wait_ready(ring_t *r, uint64_t need, int spin)
         uint64_t end = t0 + r->spin_ns;
         if (end > r->deadline)
             end = r->deadline;
+        uint64_t yield_from = t0 + RING_PURE_SPIN_NS;
         for (;;) {
             for (int i = 0; i < 16; i++) {
                 cpu_relax();
@@ -321,8 +324,14 @@ static int wait_ready(ring_t *r, uint64_t need, int spin)
                     return c < 0 ? c : RING_OK;
                 }
             }
-            if (now_ns() >= end)
+            uint64_t now = now_ns();
+            if (now >= end)
                 break;
+            /* Past the first few microseconds, offer the core between polls: on a 2-core box
+             * the peer we wait for may be queued behind us on this very core, and a pure spin
+             * would then delay the answer it spins for.  Costs ~1 us when nobody else runs. */
+            if (now >= yield_from)
+                sched_yield();
         }
     }
     ring_hdr_t *h = r->h;
