@@ -296,20 +296,29 @@ class Channel:
     def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
         """Send a batch with one C call (one head publish, at most one wake-up)."""
         objs = list(objs)
-        buf = bytearray()
-        lens = array("Q")
-        aux: list[Any] = []
+        if not objs:
+            return
         enc = self._enc
-        for obj in objs:
+        aux: list[Any] = []
+        enc._aux = aux
+        first = self._encode_body(objs[0])
+        if aux or len(first) > 4096:
+            # Arrays or big bodies: one frame list per message, no concatenation copy.
+            msgs = [[first, *aux]]
+            for o in objs[1:]:
+                msgs.append(enc.encode(o))
+            self._write_frames(msgs, timeout)
+            return
+        buf = bytearray(first)
+        lens = array("Q", [len(first)])
+        for obj in objs[1:]:
             start = len(buf)
             enc.encode_into(obj, buf, aux)
             if aux:
-                # Some message carries arrays: fall back to one frame list per message.
                 self._write_frames([enc.encode(o) for o in objs], timeout)
                 return
             lens.append(len(buf) - start)
-        if lens:
-            self._write_blob(buf, lens, timeout)
+        self._write_blob(buf, lens, timeout)
 
     def _write_blob(self, buf: bytearray, lens: array, timeout: float | None) -> None:
         """Single-frame messages laid end to end in one buffer: no per-message cffi work."""
