@@ -318,8 +318,11 @@ def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
         ("tpot_ms", "TPOT", "s-"),
         ("itl_ms", "ITL", "^-"),
     ):
-        ax.plot(xs, [r[key]["p50"] for r in runs], style, label=f"{label} p50")
-        ax.plot(xs, [r[key]["p99"] for r in runs], style, alpha=0.4, label=f"{label} p99")
+        (line,) = ax.plot(xs, [r[key]["p50"] for r in runs], style, label=f"{label} p50")
+        ax.plot(
+            xs, [r[key]["p99"] for r in runs], style, color=line.get_color(), alpha=0.4,
+            label=f"{label} p99",
+        )  # fmt: skip
     ax.set_xlabel(x_key.replace("_", " "))
     ax.set_ylabel("latency (ms)")
     ax.set_yscale("log")
