@@ -68,13 +68,16 @@ static void *worker(void *arg) {
     int seen = atomic_load(&P.gen);
     for (;;) {
         unsigned long long t0 = __rdtsc();
-        while (atomic_load_explicit(&P.gen, memory_order_acquire) == seen) {
+        /* NOTE: also leave on `stop`: a worker that starts running only after stop_workers()
+         * bumped gen reads the bumped value as `seen` and would otherwise wait forever (the
+         * join in stop_workers then hangs; seen when set_num_threads runs twice quickly). */
+        while (atomic_load_explicit(&P.gen, memory_order_acquire) == seen && !atomic_load(&P.stop)) {
             if (__rdtsc() - t0 < SPIN_CYCLES) {
                 _mm_pause();
                 continue;
             }
             atomic_fetch_add(&P.sleepers, 1);
-            if (atomic_load(&P.gen) == seen) futex_wait(&P.gen, seen);
+            if (atomic_load(&P.gen) == seen && !atomic_load(&P.stop)) futex_wait(&P.gen, seen);
             atomic_fetch_sub(&P.sleepers, 1);
             t0 = __rdtsc();
         }

@@ -1,0 +1,154 @@
+"""GEMM throughput for the SmolLM2-135M shapes: our int8 kernel vs torch fp32 vs torch dynamic int8.
+
+    python -m benchmarks.bench_gemm [--threads N] [--ms 300] [--json PATH]
+
+GOP/s counts 2*m*n*k operations per call (multiply + add), including per-call activation
+quantisation for the int8 paths.  All implementations run side by side, interleaved, in one process;
+each figure is the median over repeated timing windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from shm_engine.model import kernels
+
+# (name, n, k) for SmolLM2-135M: hidden 576, 9 q / 3 kv heads of 64, FFN 1536, vocab 49152.
+SHAPES = [
+    ("qkv", 960, 576),
+    ("o", 576, 576),
+    ("gate_up", 3072, 576),
+    ("down", 576, 1536),
+    ("lm_head", 49152, 576),
+]
+MS = [1, 8, 32, 256]
+IMPLS = ["ours", "torch_fp32", "torch_int8_dyn"]
+
+
+def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    packed = kernels.PackedLinear.from_float(w)
+    out = torch.empty(m, n)
+    wt = w.t().contiguous()  # torch fp32: x @ W^T with a pre-transposed weight (its best case)
+    fp_out = torch.empty(m, n)
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    qlin = torch.ao.nn.quantized.dynamic.Linear(k, n, bias_=False, dtype=torch.qint8)
+    qlin.set_weight_bias(torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(n, dtype=torch.long), 0, torch.qint8), None)  # fmt: skip
+    return {
+        "ours": lambda: kernels.linear(x, packed, out),
+        "torch_fp32": lambda: torch.matmul(x, wt, out=fp_out),
+        "torch_int8_dyn": lambda: qlin(x),
+    }
+
+
+def _time(fn: Callable[[], object], window_s: float) -> float:
+    """Seconds per call over one window (calls repeated until window_s has elapsed)."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= window_s:
+            return el / n
+
+
+def gemm_rows(
+    ms: Iterable[int] = MS,
+    shapes: Iterable[tuple[str, int, int]] = SHAPES,
+    impls: Iterable[str] = IMPLS,
+    ms_per_point: float = 300.0,
+    windows: int = 5,
+) -> list[dict]:
+    """Benchmark every (shape, m, impl); returns [{m, n, k, name, impl, gops, us}]."""
+    impls = list(impls)
+    rows = []
+    for name, n, k in shapes:
+        for m in ms:
+            fns = {i: f for i, f in _make_impls(n, k, m).items() if i in impls}
+            for f in fns.values():  # warm-up (page faults, pool start, fbgemm packing)
+                for _ in range(3):
+                    f()
+            samples = {i: [] for i in fns}
+            win = ms_per_point / 1000.0 / windows / len(fns)
+            with torch.no_grad():
+                for _ in range(windows):  # interleave the implementations
+                    for i, f in fns.items():
+                        samples[i].append(_time(f, win))
+            for i in fns:
+                s = statistics.median(samples[i])
+                rows.append(
+                    {"m": m, "n": n, "k": k, "name": name, "impl": i,
+                     "gops": 2.0 * m * n * k / s / 1e9, "us": s * 1e6}
+                )  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    by = {(r["name"], r["m"], r["impl"]): r for r in rows}
+    keys = sorted(
+        {(r["name"], r["n"], r["k"], r["m"]) for r in rows},
+        key=lambda x: (SHAPES_ORDER.get(x[0], 99), x[3]),
+    )
+    head = f"{'shape':<8} {'n':>6} {'k':>5} {'m':>4} | {'ours':>8} {'fp32':>8} {'int8dyn':>8} | {'vs int8':>7} {'vs fp32':>7} | {'ours us':>8}"
+    lines = [head, "-" * len(head)]
+    for name, n, k, m in keys:
+        o = by.get((name, m, "ours"))
+        f = by.get((name, m, "torch_fp32"))
+        q = by.get((name, m, "torch_int8_dyn"))
+
+        def g(r):
+            return f"{r['gops']:8.1f}" if r else f"{'-':>8}"
+
+        rq = f"{o['gops'] / q['gops']:6.2f}x" if o and q else f"{'-':>7}"
+        rf = f"{o['gops'] / f['gops']:6.2f}x" if o and f else f"{'-':>7}"
+        us = f"{o['us']:8.1f}" if o else f"{'-':>8}"
+        lines.append(f"{name:<8} {n:>6} {k:>5} {m:>4} | {g(o)} {g(f)} {g(q)} | {rq} {rf} | {us}")
+    return "\n".join(lines)
+
+
+SHAPES_ORDER = {s[0]: i for i, s in enumerate(SHAPES)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="threads for ours and torch (default: all)"
+    )
+    ap.add_argument(
+        "--ms", type=float, default=300.0, help="timing budget per (shape, m) point, ms"
+    )
+    ap.add_argument("--m", type=int, nargs="*", default=MS, help="batch sizes (rows)")
+    ap.add_argument("--json", type=str, default=None, help="write [{m, n, k, impl, gops}] here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        kernels.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    print(
+        f"kernel path={kernels.get_path()} (best {kernels.best_path()}), "
+        f"threads ours={kernels.get_num_threads()} torch={torch.get_num_threads()}, "
+        f"torch {torch.__version__} cpu capability={torch.backends.cpu.get_cpu_capability()}"
+    )
+    rows = gemm_rows(ms=args.m, ms_per_point=args.ms)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                [{k: r[k] for k in ("m", "n", "k", "impl", "gops")} for r in rows], f, indent=1
+            )
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""int8 packing, activation quantisation and GEMM against exact integer / numpy references."""
+
+import numpy as np
+import pytest
+import torch
+
+from shm_engine.model import kernels as K
+
+PATHS = [p for p in ("portable", "avx2", "vnni") if K.PATHS[p] <= K.PATHS[K.best_path()]]
+SHAPES = [
+    (1, 1),
+    (3, 5),
+    (16, 4),
+    (17, 7),
+    (33, 131),
+    (96, 64),
+    (100, 257),
+    (960, 576),
+    (576, 1536),
+]
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    path, threads = K.get_path(), K.get_num_threads()
+    yield
+    K.set_path(path)
+    K.set_num_threads(threads)
+
+
+def ref_quant(x: np.ndarray):
+    """numpy reference of the symmetric per-row quantisation (fp32 math, round half to even)."""
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(axis=1).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(x * inv[:, None]), -127, 127).astype(np.int8)
+    return q, (amax / np.float32(127)).astype(np.float32)
+
+
+def rand_w(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.1
+    if n > 2:
+        w[1] = 0.0  # an all-zero channel: scale 0, q 0
+    return w
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_pack_matches_reference(n, k):
+    w = rand_w(n, k, n * 1000 + k)
+    p = K.PackedLinear.from_float(w)
+    q_ref, s_ref = ref_quant(w.numpy())
+    np.testing.assert_array_equal(p.unpack_int8().numpy(), q_ref)
+    np.testing.assert_array_equal(p.scales[:n].numpy(), s_ref)
+    np.testing.assert_array_equal(p.sums[:n].numpy(), q_ref.astype(np.int64).sum(1))
+    assert p.scales.numel() % 16 == 0 and bool((p.scales[n:] == 0).all())
+    assert p.packed.numel() == -(-n // 16) * 16 * K.padded_k(k)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,k", [(1, 1), (1, 576), (3, 7), (5, 130), (13, 64), (64, 9), (67, 33)])
+def test_quantize_rows_exact(path, m, k):
+    K.set_path(path)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
+    if m > 2:
+        x[2] = 0.0
+    xq, s = K.quantize_rows(x)
+    q_ref, s_ref = ref_quant(x.numpy())
+    assert xq.shape == (m, K.padded_k(k))
+    np.testing.assert_array_equal(xq[:, :k].numpy(), q_ref)
+    assert bool((xq[:, k:] == 0).all())
+    np.testing.assert_array_equal(s.numpy(), s_ref)
+
+
+def _rand_q(shape, seed, extreme=False):
+    g = torch.Generator().manual_seed(seed)
+    if extreme:  # saturation worst case of vpmaddubsw: |products| all 127*127
+        return (torch.randint(0, 2, shape, generator=g, dtype=torch.int8) * 254 - 127).to(
+            torch.int8
+        )
+    return torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 7), (33, 131), (960, 576), (50, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 70])
+def test_gemm_acc_exact_int64(path, extreme, n, k, m):
+    """Raw int32 accumulators equal an exact int64 reference bit for bit on every path."""
+    K.set_path(path)
+    # build the weight so that its int8 quantisation is exactly q (row max is +-127)
+    q = _rand_q((n, k), n + k, extreme)
+    q[:, 0] = 127
+    p = K.PackedLinear.from_float(q.float())
+    assert torch.equal(p.unpack_int8(), q)
+    xq = torch.zeros(m, K.padded_k(k), dtype=torch.int8)
+    xq[:, :k] = _rand_q((m, k), 7 * m + k, extreme)
+    acc = K.gemm_s8_acc(xq, p)
+    ref = xq[:, :k].long() @ q.long().T
+    assert torch.equal(acc.long(), ref)
+
+
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "portable"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 17, 7), (3, 960, 576), (9, 33, 131), (40, 50, 1536), (130, 3072, 64)]
+)
+def test_linear_paths_match_portable(path, bias, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    p = K.PackedLinear.from_float(w, b)
+    K.set_path("portable")
+    ref = K.linear(x, p)
+    K.set_path(path)
+    assert torch.equal(K.linear(x, p), ref)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 17, 5), (1024, 96, 200)])
+def test_linear_dequant_reference(m, n, k):
+    """y = float(acc) * (sx * sw) + bias, checked against float64 math on the exact accumulators."""
+    g = torch.Generator().manual_seed(m + n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    p = K.PackedLinear.from_float(w, b)
+    y = K.linear(x, p)
+    xq, sx = ref_quant(x.numpy())
+    acc = xq.astype(np.int64) @ p.unpack_int8().numpy().astype(np.int64).T
+    ref = acc * (sx[:, None].astype(np.float64) * p.scales[:n].numpy()[None, :]) + b.numpy()
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
+    # and close to the fp32 product (int8 error: a few % of the output scale)
+    exact = x @ w.T + b
+    err = (y - exact).abs().max() / (x @ w.T).abs().max()
+    assert err < 0.03
+
+
+def test_linear_batched_leading_dims_and_out():
+    w = torch.randn(40, 24)
+    p = K.PackedLinear.from_float(w)
+    x = torch.randn(2, 3, 24)
+    out = torch.empty(2, 3, 40)
+    assert K.linear(x, p, out) is out
+    assert torch.equal(out.reshape(6, 40), K.linear(x.reshape(6, 24), p))
+    assert K.linear(torch.empty(0, 24), p).shape == (0, 40)
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 300])
+def test_threads_identical(m):
+    g = torch.Generator().manual_seed(m)
+    w, x = torch.randn(1000, 300, generator=g), torch.randn(m, 300, generator=g)
+    p = K.PackedLinear.from_float(w, torch.randn(1000, generator=g))
+    K.set_num_threads(1)
+    y1 = K.linear(x, p)
+    K.set_num_threads(2)
+    assert torch.equal(K.linear(x, p), y1)
+    K.set_num_threads(3)
+    assert torch.equal(K.linear(x, p), y1)
+
+
+def test_validation_errors():
+    p = K.PackedLinear.from_float(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="features"):
+        K.linear(torch.randn(2, 15), p)
+    with pytest.raises(TypeError, match="float32"):
+        K.linear(torch.randn(2, 16, dtype=torch.float64), p)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.linear(torch.randn(16, 2).t(), p)
+    with pytest.raises(ValueError, match="shape"):
+        K.linear(torch.randn(2, 16), p, out=torch.empty(2, 9))
+    with pytest.raises(ValueError, match="columns"):
+        K.gemm_s8_acc(torch.zeros(2, 15, dtype=torch.int8), p)
+    with pytest.raises(ValueError, match="unknown"):
+        K.set_path("sse9")
+    with pytest.raises(ValueError):
+        K.PackedLinear.from_float(torch.randn(8, 16), bias=torch.randn(9))
+
+
+def test_paths_reported():
+    assert K.best_path() in K.PATHS
+    for p in PATHS:
+        with K.use_path(p):
+            assert K.get_path() == p
+    if "vnni" not in PATHS:
+        with pytest.raises(ValueError, match="not supported"):
+            K.set_path("vnni")
