@@ -3,7 +3,7 @@
 Threading: one thread may send while another receives (the two directions share no mutable
 state); two threads must not send (or receive) on the same channel at once.
 
-Blocking calls run inside one C call per wait slice (default 50 ms) with the GIL released; between
+Blocking calls run inside one C call per wait slice (default 100 ms) with the GIL released; between
 slices Python checks the peer's liveness socket, the local closed flag and the caller's timeout.
 """
 
@@ -24,7 +24,7 @@ from .errors import ChannelClosedError, IPCError, PeerDeadError, RingCorruptErro
 DEFAULT_CAPACITY = 4 << 20
 DEFAULT_SPIN_US = 50.0
 DEFAULT_SPIN_MIN_US = 2.0
-DEFAULT_SLICE_MS = 50.0
+DEFAULT_SLICE_MS = 100.0
 
 HDR = lib.RING_HDR_SIZE
 _M32 = 0xFFFFFFFF
