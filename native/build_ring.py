@@ -40,6 +40,9 @@ void ring_write_abort(ring_t *r);
 int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
               uint64_t slice_ns, int spin);
 int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slice_ns, int spin);
+#define RING_BATCH_SIMPLE ...
+int ring_read_batch(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t view_base,
+                    uint64_t slice_ns, int spin);
 void ring_release(ring_t *r);
 void ring_close(ring_t *r);
 int ring_peer_closed(ring_t *r);

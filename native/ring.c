@@ -702,3 +702,17 @@ int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slic
         return (int64_t)((out[0] << 32) | (out[1] & 0xffffffffu)); /* >= 2^32: offset >= 520 */
     return n;
 }
+
+int ring_read_batch(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t view_base,
+                    uint64_t slice_ns, int spin)
+{
+    int n = ring_read(r, out, max_entries, 0xffffffffu, slice_ns, spin);
+    if (n <= 0)
+        return n;
+    int simple = 1;
+    for (int i = 0; i < n; i++) {
+        simple &= (out[2 * i + 1] >> 32) == (RING_K_DATA | RING_F_FRAME_END | RING_F_MSG_END);
+        out[2 * i] += view_base;
+    }
+    return simple ? (n | RING_BATCH_SIMPLE) : n;
+}

@@ -57,6 +57,12 @@ int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
 /* One message.  A single-frame message comes back packed as (offset << 32 | len), always
  * >= 2^32, saving the caller from reading `out`; otherwise the entry count (as ring_read). */
 int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slice_ns, int spin);
+/* Everything available (ring_read with no message limit), offsets shifted by view_base (the
+ * region's offset in the caller's mapping); RING_BATCH_SIMPLE is or-ed into the count when every
+ * message is a single frame, so the caller can take a tight loop. */
+#define RING_BATCH_SIMPLE 0x40000000
+int ring_read_batch(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t view_base,
+                    uint64_t slice_ns, int spin);
 void ring_release(ring_t *r);
 
 void ring_close(ring_t *r);

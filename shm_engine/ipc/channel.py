@@ -37,6 +37,8 @@ _ENOBUFS = -105
 _write1 = lib.ring_write1
 _read1 = lib.ring_read1
 _readn = lib.ring_read
+_readb = lib.ring_read_batch
+_BATCH_SIMPLE = lib.RING_BATCH_SIMPLE
 _POLL_MASK = select.POLLIN | select.POLLHUP | select.POLLERR
 _CORRUPT_DETAIL = {
     1: "bad magic",
@@ -136,6 +138,7 @@ class Channel:
         self._decode = self._dec.decode
         self._decode_body = self._dec._dec.decode  # single-frame fast path (no aux frames)
         self._encode_body = self._enc._enc.encode
+        self._encode_into = self._enc._enc.encode_into
         self._closed = False
         self._peer_dead = False
         self._pending: Callable[[int, int], int] | None = None
@@ -311,13 +314,14 @@ class Channel:
             return
         buf = bytearray(first)
         lens = array("Q", [len(first)])
+        into = self._encode_into
         for obj in objs[1:]:
             start = len(buf)
-            enc.encode_into(obj, buf, aux)
-            if aux:
-                self._write_frames([enc.encode(o) for o in objs], timeout)
-                return
+            into(obj, buf, -1)
             lens.append(len(buf) - start)
+        if aux:  # a later message carried arrays: redo the batch with frame lists
+            self._write_frames([enc.encode(o) for o in objs], timeout)
+            return
         self._write_blob(buf, lens, timeout)
 
     def _write_blob(self, buf: bytearray, lens: array, timeout: float | None) -> None:
@@ -471,8 +475,21 @@ class Channel:
 
     def recv_all(self, timeout: float | None = None) -> list[Any]:
         """Receive every message already available (blocking only for the first one)."""
-        n = _readn(self._rxr, self._out, self._out_n, 0xFFFFFFFF, self._slice(timeout), 1)
-        if n <= 0:
+        n = _readb(self._rxr, self._out, self._out_n, self._rx_base, self._slice(timeout), 1)
+        if n & _BATCH_SIMPLE and self._zero_copy and n > 0:
+            # Common case: single-frame messages only, offsets already relative to the mapping.
+            vals = self._outmv[: 2 * (n & ~_BATCH_SIMPLE)].tolist()
+            dec = self._decode_body
+            mv = self._mv
+            return [
+                dec(mv[o : o + (lk & _M32)]) for o, lk in zip(vals[::2], vals[1::2], strict=True)
+            ]
+        if n > 0:
+            # The offsets were shifted by the region base; shift them back for _collect.
+            n &= ~_BATCH_SIMPLE
+            for i in range(0, 2 * n, 2):
+                self._out[i] -= self._rx_base
+        else:
             n = self._read(0xFFFFFFFF, timeout, n)
         if not self._zero_copy:
             return [self._decode(m) for m in self._copy_out(self._collect(n, timeout))]

@@ -117,3 +117,21 @@ def test_malformed_array_headers_raise(bad: bytes) -> None:
     body = msgspec.msgpack.encode(msgspec.msgpack.Ext(1, bad))
     with pytest.raises(msgspec.DecodeError):
         Decoder().decode([body])
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_recv_all_mixes_single_and_multi_frame_messages(zero_copy: bool) -> None:
+    """Regression: the last frame of a multi-frame message looks like a one-frame message."""
+    a, b = channel_pair(1 << 20, zero_copy=zero_copy)
+    big = np.arange(3000, dtype=np.int64)  # 24 KB: an aux frame
+    msgs = [1, {"a": big, "b": big + 1}, b"x", {"c": big[:10]}, "end"]
+    a.send_many(msgs)
+    a.send_many([7, 8, 9])
+    got = b.recv_all(timeout=5)  # both batches are available: one list of 8
+    assert got[0] == 1 and got[2] == b"x" and got[4] == "end" and got[5:] == [7, 8, 9]
+    np.testing.assert_array_equal(got[1]["a"], big)
+    np.testing.assert_array_equal(got[1]["b"], big + 1)
+    np.testing.assert_array_equal(got[3]["c"], big[:10])
+    for m in msgs:
+        a.send(m)
+    assert [type(x) for x in b.recv_all(timeout=5)] == [type(m) for m in msgs]
