@@ -1,0 +1,266 @@
+"""RMSNorm, RoPE, SiLU*mul, KV writes, paged attention and the fused layer vs torch references."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shm_engine.model import kernels as K
+
+PATHS = [p for p in ("portable", "avx2", "vnni") if K.PATHS[p] <= K.PATHS[K.best_path()]]
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    path, threads = K.get_path(), K.get_num_threads()
+    yield
+    K.set_path(path)
+    K.set_num_threads(threads)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,h", [(1, 576), (5, 7), (33, 100)])
+def test_rmsnorm(path, m, h):
+    K.set_path(path)
+    g = gen(m * h)
+    x, r, w = (
+        torch.randn(m, h, generator=g),
+        torch.randn(m, h, generator=g),
+        torch.randn(h, generator=g),
+    )
+
+    def ref(x):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    torch.testing.assert_close(K.rmsnorm(x, w, 1e-5), ref(x), rtol=1e-5, atol=1e-5)
+    x2 = x.clone()
+    out = K.rmsnorm(x2, w, 1e-5, residual=r)
+    assert torch.equal(x2, x + r)  # residual stream updated in place
+    torch.testing.assert_close(out, ref(x + r), rtol=1e-5, atol=1e-5)
+
+
+def hf_rope(x, pos, cos_sin):
+    d = x.shape[-1]
+    cos = cos_sin[pos, : d // 2].repeat(1, 2)[:, None, :]
+    sin = cos_sin[pos, d // 2 :].repeat(1, 2)[:, None, :]
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * cos + rot * sin
+
+
+@pytest.mark.parametrize("d", [64, 6])
+def test_rope_matches_hf(d):
+    g = gen(d)
+    t, hq, hk = 11, 9, 3
+    q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hk, d, generator=g)
+    pos = torch.tensor([0, 1, 2, 5, 100, 7, 3, 3, 511, 40, 9])
+    inv = K.rope_inv_freq(d, 1e5)
+    cs = K.rope_cos_sin(inv, 512)
+    # the table matches HF's fp32 computation
+    freqs = pos.float()[:, None] * inv[None, :]
+    torch.testing.assert_close(cs[pos, : d // 2], freqs.cos(), rtol=0, atol=1e-6)
+    q2, k2 = q.clone(), k.clone()
+    K.rope(q2, k2, pos.to(torch.int32), cs)
+    torch.testing.assert_close(q2, hf_rope(q, pos, cs), rtol=0, atol=1e-6)
+    torch.testing.assert_close(k2, hf_rope(k, pos, cs), rtol=0, atol=1e-6)
+    q3 = q.clone()
+    K.rope(q3, None, pos, cs)
+    assert torch.equal(q3, q2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,f", [(1, 1536), (3, 13), (70, 1000)])
+def test_silu_mul(path, m, f):
+    K.set_path(path)
+    gu = torch.randn(m, 2 * f, generator=gen(f)) * 4
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    ref = F.silu(gu[:, :f]) * gu[:, f:]
+    torch.testing.assert_close(K.silu_mul(gu), ref, rtol=2e-6, atol=1e-6)
+
+
+def test_write_kv_slots():
+    nb, bs, hk, d = 5, 4, 3, 8
+    kc, vc = torch.zeros(nb, bs, hk, d), torch.zeros(nb, bs, hk, d)
+    k, v = torch.randn(4, hk, d), torch.randn(4, hk, d)
+    slots = torch.tensor([7, 0, -1, 19])
+    K.write_kv(k, v, slots, kc, vc)
+    kf, vf = kc.view(-1, hk, d), vc.view(-1, hk, d)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(kf[s], k[i]) and torch.equal(vf[s], v[i])
+    assert int((kf.abs().sum((1, 2)) > 0).sum()) == 3
+    with pytest.raises(ValueError, match="slot"):
+        K.write_kv(k, v, torch.tensor([0, 1, 2, 20]), kc, vc)
+
+
+def make_batch(seqs, hq, hk, d, bs, seed):
+    """seqs: list of (seq_len, q_len).  Returns q, caches, metadata and per-seq full k/v."""
+    g = gen(seed)
+    max_blocks = max(-(-s // bs) for s, _ in seqs)
+    nblocks = sum(-(-s // bs) for s, _ in seqs) + 3
+    perm = torch.randperm(nblocks, generator=g).to(torch.int32)
+    kc, vc = torch.zeros(nblocks, bs, hk, d), torch.zeros(nblocks, bs, hk, d)
+    bt = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+    qs, ks, vs, qsl, used = [], [], [], [0], 0
+    for b, (s, ql) in enumerate(seqs):
+        nbk = -(-s // bs)
+        bt[b, :nbk] = perm[used : used + nbk]
+        used += nbk
+        kf, vf = torch.randn(s, hk, d, generator=g), torch.randn(s, hk, d, generator=g)
+        slots = (bt[b, torch.arange(s) // bs].long() * bs + torch.arange(s) % bs).long()
+        K.write_kv(kf, vf, slots, kc, vc)
+        ks.append(kf)
+        vs.append(vf)
+        qs.append(torch.randn(ql, hq, d, generator=g))
+        qsl.append(qsl[-1] + ql)
+    meta = dict(
+        block_table=bt,
+        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+    )
+    return torch.cat(qs), kc, vc, meta, ks, vs
+
+
+def ref_attention(q, ks, vs, seqs, hq, hk, scale):
+    outs, start = [], 0
+    for (s, ql), kf, vf in zip(seqs, ks, vs, strict=True):
+        qb = q[start : start + ql].transpose(0, 1)[None]  # [1, hq, ql, d]
+        kb = kf.repeat_interleave(hq // hk, dim=1).transpose(0, 1)[None]
+        vb = vf.repeat_interleave(hq // hk, dim=1).transpose(0, 1)[None]
+        pos = torch.arange(ql)[:, None] + (s - ql)
+        mask = torch.arange(s)[None, :] <= pos
+        o = F.scaled_dot_product_attention(
+            qb.double(), kb.double(), vb.double(), attn_mask=mask, scale=scale
+        )
+        outs.append(o[0].transpose(0, 1).float())
+        start += ql
+    return torch.cat(outs)
+
+
+MIXED = [(37, 1), (20, 20), (50, 13), (1, 1), (130, 1), (70, 33)]  # decode, prefill, prefix...
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "seqs,hq,hk,d,bs",
+    [
+        (MIXED, 9, 3, 64, 16),
+        (MIXED, 4, 4, 32, 5),
+        ([(300, 300)], 9, 3, 64, 16),
+        ([(17, 1)] * 5, 8, 2, 16, 4),
+        ([(40, 7), (9, 9)], 2, 1, 24, 8),
+    ],
+)
+def test_paged_attention_vs_sdpa(path, seqs, hq, hk, d, bs):
+    K.set_path(path)
+    q, kc, vc, meta, ks, vs = make_batch(seqs, hq, hk, d, bs, seed=hq * d + len(seqs))
+    scale = 1 / math.sqrt(d)
+    out = K.paged_attention(q, kc, vc, scale=scale, **meta)
+    ref = ref_attention(q, ks, vs, seqs, hq, hk, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_threads_identical_and_paths_close():
+    q, kc, vc, meta, ks, vs = make_batch(MIXED, 9, 3, 64, 16, seed=3)
+    K.set_num_threads(1)
+    o1 = K.paged_attention(q, kc, vc, scale=0.125, **meta)
+    K.set_num_threads(2)
+    assert torch.equal(K.paged_attention(q, kc, vc, scale=0.125, **meta), o1)
+    K.set_path("portable")
+    torch.testing.assert_close(
+        K.paged_attention(q, kc, vc, scale=0.125, **meta), o1, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_attention_validation():
+    q, kc, vc, meta, _, _ = make_batch([(10, 4)], 4, 2, 8, 4, seed=1)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        K.paged_attention(
+            q,
+            kc,
+            vc,
+            scale=1.0,
+            **{**meta, "query_start_loc": torch.tensor([0, 3], dtype=torch.int32)},
+        )
+    with pytest.raises(ValueError, match="multiple"):
+        K.paged_attention(torch.randn(4, 3, 8), kc, vc, scale=1.0, **meta)
+    bad = meta["block_table"].clone()
+    bad[0, 0] = 999
+    with pytest.raises(ValueError, match="block"):
+        K.paged_attention(q, kc, vc, scale=1.0, **{**meta, "block_table": bad})
+
+
+# ---------------------------------------------------------------------------- fused layer
+def make_layer(seed, hidden=64, hq=4, hk=2, d=16, ffn=96, bias=False):
+    g = gen(seed)
+
+    def lin(n, k):
+        return torch.randn(n, k, generator=g) / math.sqrt(k)
+
+    w = dict(
+        q=lin(hq * d, hidden), k=lin(hk * d, hidden), v=lin(hk * d, hidden), o=lin(hidden, hq * d),
+        gate=lin(ffn, hidden), up=lin(ffn, hidden), down=lin(hidden, ffn),
+        ln1=1 + 0.1 * torch.randn(hidden, generator=g), ln2=1 + 0.1 * torch.randn(hidden, generator=g),
+    )  # fmt: skip
+    qkv_b = torch.randn((hq + 2 * hk) * d, generator=g) if bias else None
+    layer = K.LlamaLayer(
+        hidden=hidden, num_heads=hq, num_kv_heads=hk, head_dim=d, ffn=ffn, eps=1e-5,
+        input_norm=w["ln1"], post_norm=w["ln2"],
+        qkv=K.PackedLinear.from_float(torch.cat([w["q"], w["k"], w["v"]]), qkv_b),
+        o=K.PackedLinear.from_float(w["o"]),
+        gate_up=K.PackedLinear.from_float(torch.cat([w["gate"], w["up"]])),
+        down=K.PackedLinear.from_float(w["down"]),
+    )  # fmt: skip
+    return layer
+
+
+def primitive_layer(layer, hidden, kc, vc, pos, slots, meta, cs, scale):
+    """The same layer built from the primitive kernels (must match the fused call bit for bit)."""
+    t = hidden.shape[0]
+    hq, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    x = K.rmsnorm(hidden, layer.input_norm, layer.eps)
+    qkv = K.linear(x, layer.qkv)
+    q = qkv[:, : hq * d].reshape(t, hq, d).contiguous()
+    k = qkv[:, hq * d : (hq + hk) * d].reshape(t, hk, d).contiguous()
+    v = qkv[:, (hq + hk) * d :].reshape(t, hk, d).contiguous()
+    K.rope(q, k, pos, cs)
+    K.write_kv(k, v, slots, kc, vc)
+    a = K.paged_attention(q, kc, vc, scale=scale, **meta)
+    hidden = hidden + K.linear(a.reshape(t, hq * d), layer.o)
+    x = K.rmsnorm(hidden, layer.post_norm, layer.eps)
+    return hidden + K.linear(K.silu_mul(K.linear(x, layer.gate_up)), layer.down)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_layer_matches_primitives(bias):
+    layer = make_layer(5, bias=bias)
+    hq, hk, d, bs = 4, 2, 16, 8
+    seqs = [(21, 1), (12, 12), (30, 9)]  # decode, prefill, prefill with a cached prefix
+    _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=11)
+    t = sum(ql for _, ql in seqs)
+    pos = torch.cat([torch.arange(s - ql, s) for s, ql in seqs])
+    slots = torch.cat(
+        [
+            meta["block_table"][b, p // bs].long() * bs + p % bs
+            for b, p in enumerate(torch.arange(s - ql, s) for s, ql in seqs)
+        ]
+    )
+    cs = K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64)
+    hidden = torch.randn(t, 64, generator=gen(2))
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref = primitive_layer(layer, hidden.clone(), kc2, vc2, pos, slots, meta, cs, d**-0.5)
+    scratch = K.LayerScratch(layer, max_tokens=64)
+    step = K.LayerStep(
+        positions=pos, slot_mapping=slots, cos_sin=cs, num_blocks=kc.shape[0], block_size=bs,
+        scale=d**-0.5, scratch=scratch, **meta,
+    )  # fmt: skip
+    h = hidden.clone()
+    K.llama_layer_forward(layer, step, h, kc, vc)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(h, ref)
+    with pytest.raises(ValueError, match="hidden"):
+        K.llama_layer_forward(layer, step, h[:-1].contiguous(), kc, vc)
