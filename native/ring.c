@@ -264,10 +264,13 @@ static int check_ready(ring_t *r, uint64_t need)
             return e;
         if (r->head + need - r->tail_cache <= r->cap)
             return 1;
-        if (atomic_load_explicit(&r->h->cons_closed, memory_order_acquire))
-            return RING_ECLOSED;
+        if (atomic_load_explicit(&r->h->cons_closed, memory_order_acquire) ||
+            atomic_load_explicit(&r->h->prod_closed, memory_order_relaxed))
+            return RING_ECLOSED; /* peer gone, or closed locally by another thread */
         return 0;
     }
+    if (atomic_load_explicit(&r->h->cons_closed, memory_order_relaxed))
+        return RING_ECLOSED; /* closed locally (possibly by another thread while we waited) */
     if (r->head_cache != r->rpos)
         return 1;
     if ((e = cons_refresh_head(r)))
@@ -646,23 +649,18 @@ int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
 
 void ring_close(ring_t *r)
 {
+    /* May run on another thread than the one blocked in this ring, so it touches only the shared
+     * flags, never the private counters (a write call always publishes before it returns or
+     * waits, so nothing is left unpublished).  It wakes both the peer and our own waiter. */
     ring_hdr_t *h = r->h;
-    if (r->role == RING_ROLE_PRODUCER) {
-        if (!r->corrupt)
-            publish(r);
-        /* NOTE release: head (published above) is ordered before closed; see check_ready. */
-        atomic_store_explicit(&h->prod_closed, 1, memory_order_release);
-        atomic_thread_fence(memory_order_seq_cst);
-        if (atomic_exchange_explicit(&h->cons_waiting, 0, memory_order_relaxed))
-            sem_post(&h->data_sem.s);
-    } else {
-        if (!r->corrupt)
-            release(r);
-        atomic_store_explicit(&h->cons_closed, 1, memory_order_release);
-        atomic_thread_fence(memory_order_seq_cst);
-        if (atomic_exchange_explicit(&h->prod_waiting, 0, memory_order_relaxed))
-            sem_post(&h->space_sem.s);
-    }
+    _Atomic uint32_t *mine = r->role == RING_ROLE_PRODUCER ? &h->prod_closed : &h->cons_closed;
+    /* NOTE release: everything published before is ordered before closed; see check_ready. */
+    atomic_store_explicit(mine, 1, memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_exchange_explicit(&h->cons_waiting, 0, memory_order_relaxed))
+        sem_post(&h->data_sem.s);
+    if (atomic_exchange_explicit(&h->prod_waiting, 0, memory_order_relaxed))
+        sem_post(&h->space_sem.s);
 }
 
 int ring_peer_closed(ring_t *r)

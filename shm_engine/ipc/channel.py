@@ -176,6 +176,8 @@ class Channel:
         if self._closed:
             raise ChannelClosedError("channel closed locally")
         if self._peer_dead or (ring.has_sock and ring.poller.poll(0)):
+            if self._closed:  # our own close() raced with the poll (fd closed under it)
+                raise ChannelClosedError("channel closed locally")
             self._peer_dead = True
             raise PeerDeadError("peer process is gone (liveness socket hung up)")
 

@@ -267,3 +267,33 @@ def test_send_timeout_on_full_ring_sends_nothing_partial() -> None:
     assert got and all(g == b"y" * 1000 for g in got)
     a.send(b"after")  # the channel is still usable
     assert b.recv(timeout=1) == b"after"
+
+
+def test_close_from_another_thread_wakes_blocked_calls() -> None:
+    a, b = channel_pair(4096, slice_ms=5000.0)  # only the close itself can wake them early
+    errors: list[BaseException] = []
+
+    def blocked_recv() -> None:
+        try:
+            a.recv(timeout=10)
+        except BaseException as e:
+            errors.append(e)
+
+    def blocked_send() -> None:
+        try:
+            while True:
+                a.send_bytes([b"w" * 1000], timeout=10)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=blocked_recv), threading.Thread(target=blocked_send)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # both parked: a's inbox is empty, a -> b is full (b never reads)
+    t0 = time.monotonic()
+    a.close()
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - t0 < 1.0
+    assert len(errors) == 2 and all(isinstance(e, ChannelClosedError) for e in errors), errors
+    b.close()
