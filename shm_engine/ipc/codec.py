@@ -151,11 +151,16 @@ class Decoder:
         except (struct.error, IndexError) as e:
             raise msgspec.DecodeError(f"malformed array header: {e}") from None
         off = 6 + 8 * ndim
-        count = 1
-        for s in shape:
-            if s < 0:
+        if ndim == 1:
+            count = shape[0]
+            if count < 0:
                 raise msgspec.DecodeError("negative dimension")
-            count *= s
+        else:
+            count = 1
+            for s in shape:
+                if s < 0:
+                    raise msgspec.DecodeError("negative dimension")
+                count *= s
         if index == 0:
             if count * dtype.itemsize != len(data) - off:
                 raise msgspec.DecodeError("array data size does not match its shape")
