@@ -27,7 +27,7 @@
 #define AVX2_FN __attribute__((target("avx2,fma")))
 #define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
-#define PF_BYTES 1024 /* software prefetch distance in the weight stream */
+#define PF_BYTES 2048 /* software prefetch distance in the weight stream */
 
 /* ------------------------------------------------------------------ dispatch */
 static int g_path = -1;
@@ -244,60 +244,51 @@ static void tile_portable(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1
     }
 }
 
-/* --- AVX2: MR rows x 16 channels, two ymm accumulators per row --- */
+/* --- AVX2: 4 (or 1) rows x 16 channels, two ymm accumulators per row.  Accumulators are named
+ * variables, not an array: GCC otherwise keeps them on the stack and the loop-carried
+ * store->load chain halves the throughput. --- */
 #define AVX2_MR 4
-INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr) {
-    const int8_t *wb = c->packed + blk * SHMK_NB * c->kp;
-    const int64_t ng = c->kp / SHMK_KG, kp = c->kp;
-    const int8_t *xq = c->xq + i0 * kp;
-    const uint8_t *xa = c->xa + i0 * kp;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[AVX2_MR][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    for (int64_t g = 0; g < ng; g++) {
-        const int8_t *w = wb + g * 64;
-        _mm_prefetch((const char *)w + PF_BYTES, _MM_HINT_T0);
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
-        for (int r = 0; r < mr; r++) {
-            int32_t sv, av;
-            memcpy(&sv, xq + r * kp + g * 4, 4);
-            memcpy(&av, xa + r * kp + g * 4, 4);
-            __m256i xs = _mm256_set1_epi32(sv), xb = _mm256_set1_epi32(av);
-            __m256i p0 = _mm256_maddubs_epi16(xb, _mm256_sign_epi8(w0, xs));
-            __m256i p1 = _mm256_maddubs_epi16(xb, _mm256_sign_epi8(w1, xs));
-            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
-            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
-        }
-    }
+
+/* acc (+)= |x| * (w * sign(x)) for one row and both 8-channel halves of the k-group */
+#define AVX2_ROW(r, a0, a1)                                                                   \
+    do {                                                                                      \
+        int32_t sv_, av_;                                                                     \
+        memcpy(&sv_, xq + (r) * kp + g * 4, 4);                                               \
+        memcpy(&av_, xa + (r) * kp + g * 4, 4);                                               \
+        const __m256i xs_ = _mm256_set1_epi32(sv_), xb_ = _mm256_set1_epi32(av_);             \
+        a0 = _mm256_add_epi32(                                                                \
+            a0, _mm256_madd_epi16(_mm256_maddubs_epi16(xb_, _mm256_sign_epi8(w0, xs_)), ones)); \
+        a1 = _mm256_add_epi32(                                                                \
+            a1, _mm256_madd_epi16(_mm256_maddubs_epi16(xb_, _mm256_sign_epi8(w1, xs_)), ones)); \
+    } while (0)
+
+/* float / raw epilogue of an mr x 16 tile of int32 accumulators */
+AVX2_FN static void avx2_epilogue(const gemm_ctx *c, int64_t blk, int64_t i0, int mr,
+                                  const int32_t *tile) {
     const int64_t j0 = blk * SHMK_NB;
     const int full = c->n - j0 >= SHMK_NB;
     for (int r = 0; r < mr; r++) {
         const int64_t i = i0 + r;
-        if (c->iacc) {
-            if (full) {
-                _mm256_storeu_si256((__m256i *)(c->iacc + i * c->n + j0), acc[r][0]);
-                _mm256_storeu_si256((__m256i *)(c->iacc + i * c->n + j0 + 8), acc[r][1]);
-            } else {
-                int32_t tmp[16];
-                _mm256_storeu_si256((__m256i *)tmp, acc[r][0]);
-                _mm256_storeu_si256((__m256i *)(tmp + 8), acc[r][1]);
-                for (int64_t ch = 0; ch < c->n - j0; ch++) c->iacc[i * c->n + j0 + ch] = tmp[ch];
+        const int32_t *t = tile + r * 16;
+        if (!full) {
+            for (int64_t ch = 0; ch < c->n - j0; ch++) {
+                if (c->iacc)
+                    c->iacc[i * c->n + j0 + ch] = t[ch];
+                else
+                    store_one(c, i, j0 + ch, t[ch]);
             }
             continue;
         }
-        if (!full) {
-            int32_t tmp[16];
-            _mm256_storeu_si256((__m256i *)tmp, acc[r][0]);
-            _mm256_storeu_si256((__m256i *)(tmp + 8), acc[r][1]);
-            for (int64_t ch = 0; ch < c->n - j0; ch++) store_one(c, i, j0 + ch, tmp[ch]);
+        if (c->iacc) {
+            memcpy(c->iacc + i * c->n + j0, t, 16 * sizeof(int32_t));
             continue;
         }
         const __m256 sx = _mm256_set1_ps(c->sx[i]);
         float *y = c->y + i * c->n + j0;
         for (int h = 0; h < 2; h++) {
             __m256 s = _mm256_mul_ps(sx, _mm256_loadu_ps(c->ws + j0 + 8 * h));
-            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), s);
+            __m256i a = _mm256_loadu_si256((const __m256i *)(t + 8 * h));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a), s);
             if (c->bias) v = _mm256_add_ps(v, _mm256_loadu_ps(c->bias + j0 + 8 * h));
             if (c->accumulate) v = _mm256_add_ps(_mm256_loadu_ps(y + 8 * h), v);
             _mm256_storeu_ps(y + 8 * h, v);
@@ -305,15 +296,73 @@ INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
     }
 }
 
+AVX2_FN static void avx2_kernel4(const gemm_ctx *c, int64_t blk, int64_t i0) {
+    const int8_t *wb = c->packed + blk * SHMK_NB * c->kp;
+    const int64_t ng = c->kp / SHMK_KG, kp = c->kp;
+    const int8_t *xq = c->xq + i0 * kp;
+    const uint8_t *xa = c->xa + i0 * kp;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00;
+    __m256i a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t g = 0; g < ng; g++) {
+        const int8_t *w = wb + g * 64;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        AVX2_ROW(0, a00, a01);
+        AVX2_ROW(1, a10, a11);
+        AVX2_ROW(2, a20, a21);
+        AVX2_ROW(3, a30, a31);
+    }
+    int32_t tile[4 * 16] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)(tile + 0), a00);
+    _mm256_store_si256((__m256i *)(tile + 8), a01);
+    _mm256_store_si256((__m256i *)(tile + 16), a10);
+    _mm256_store_si256((__m256i *)(tile + 24), a11);
+    _mm256_store_si256((__m256i *)(tile + 32), a20);
+    _mm256_store_si256((__m256i *)(tile + 40), a21);
+    _mm256_store_si256((__m256i *)(tile + 48), a30);
+    _mm256_store_si256((__m256i *)(tile + 56), a31);
+    avx2_epilogue(c, blk, i0, 4, tile);
+}
+
+/* one row: the M = 1 decode case, streaming the weights (prefetched ahead) */
+AVX2_FN static void avx2_kernel1(const gemm_ctx *c, int64_t blk, int64_t i0) {
+    const int8_t *wb = c->packed + blk * SHMK_NB * c->kp;
+    const int64_t ng = c->kp / SHMK_KG, kp = c->kp;
+    const int8_t *xq = c->xq + i0 * kp;
+    const uint8_t *xa = c->xa + i0 * kp;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t g = 0;
+    for (; g + 2 <= ng; g += 2) { /* two independent accumulator pairs for ILP */
+        const int8_t *w = wb + g * 64;
+        _mm_prefetch((const char *)w + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + PF_BYTES + 64, _MM_HINT_T0);
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        AVX2_ROW(0, a0, a1);
+        g++;
+        w0 = _mm256_loadu_si256((const __m256i *)(w + 64));
+        w1 = _mm256_loadu_si256((const __m256i *)(w + 96));
+        AVX2_ROW(0, b0, b1);
+        g--;
+    }
+    for (; g < ng; g++) {
+        const int8_t *w = wb + g * 64;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        AVX2_ROW(0, a0, a1);
+    }
+    int32_t tile[16] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)tile, _mm256_add_epi32(a0, b0));
+    _mm256_store_si256((__m256i *)(tile + 8), _mm256_add_epi32(a1, b1));
+    avx2_epilogue(c, blk, i0, 1, tile);
+}
+
 AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
     int64_t i = i0;
-    for (; i + AVX2_MR <= i1; i += AVX2_MR) avx2_kernel(c, blk, i, AVX2_MR);
-    switch (i1 - i) {
-    case 3: avx2_kernel(c, blk, i, 3); break;
-    case 2: avx2_kernel(c, blk, i, 2); break;
-    case 1: avx2_kernel(c, blk, i, 1); break;
-    default: break;
-    }
+    for (; i + AVX2_MR <= i1; i += AVX2_MR) avx2_kernel4(c, blk, i);
+    for (; i < i1; i++) avx2_kernel1(c, blk, i);
 }
 
 /* --- AVX512-VNNI: MR rows x 16 channels, one zmm accumulator per row --- */

@@ -266,14 +266,23 @@ static void att_task_portable(const att_ctx *c, const att_task *tk) {
 
 /* 8 dot products q.k_j (d % 8 == 0) -> one ymm, via 8 accumulators and an hadd tree. */
 INLINE AVX2_FN __m256 dot8(const float *q, const float *const *kp, int64_t d) {
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    /* named accumulators: GCC keeps an array of them on the stack */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *k0 = kp[0], *k1 = kp[1], *k2 = kp[2], *k3 = kp[3];
+    const float *k4 = kp[4], *k5 = kp[5], *k6 = kp[6], *k7 = kp[7];
     for (int64_t i = 0; i < d; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j] + i), a[j]);
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
     }
-    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
     __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
@@ -289,16 +298,22 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk) {
     memset(O, 0, (size_t)(nrows * d) * sizeof(float));
     const int64_t kv_end = ctx0 + tk->t1; /* exclusive */
     const float *kp[ATT_CHUNK], *vp[ATT_CHUNK];
+    const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
     const __m256 vscale = _mm256_set1_ps(c->scale);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     float p[ATT_CHUNK] __attribute__((aligned(32)));
     for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
         const int cn = kv_end - c0 < ATT_CHUNK ? (int)(kv_end - c0) : ATT_CHUNK;
-        for (int j = 0; j < ATT_CHUNK; j++) {
-            int64_t pp = c0 + (j < cn ? j : 0);
-            kp[j] = kv_row(c, c->kc, tk->b, pp, tk->hk);
-            vp[j] = kv_row(c, c->vc, tk->b, pp, tk->hk);
+        /* cache rows of positions c0 .. c0+cn-1 (one division per chunk; padding lanes reuse
+         * row 0 and are masked below) */
+        int64_t bi = c0 / c->bs, off = c0 % c->bs;
+        for (int j = 0; j < cn; j++) {
+            int64_t row = ((int64_t)bt_row[bi] * c->bs + off) * c->hk + tk->hk;
+            kp[j] = c->kc + row * d;
+            vp[j] = c->vc + row * d;
+            if (++off == c->bs) off = 0, bi++;
         }
+        for (int j = cn; j < ATT_CHUNK; j++) kp[j] = kp[0], vp[j] = vp[0];
         for (int64_t ti = tk->t0; ti < tk->t1; ti++) {
             const int64_t pos = ctx0 + ti;
             if (pos < c0) continue; /* whole chunk in this token's future */
@@ -386,7 +401,8 @@ void shmk_attention_impl(const float *q, int64_t q_stride, const float *k_cache,
     if (total_q <= 0) return;
     /* few, short sequences (decode): one task per q head to keep both cores busy */
     int nth = shmk_threads();
-    int split_heads = b * hk < 4 * nth && total_q <= 4 * b;
+    (void)nth;
+    int split_heads = 0; /* sharing each K/V chunk across the G heads of a group wins */
     int64_t ntasks = 0;
     for (int64_t s = 0; s < b; s++) {
         int64_t ql = qsl[s + 1] - qsl[s];
