@@ -75,6 +75,11 @@ def init_segment(mm: mmap.mmap, capacity: int) -> None:
         ffi.release(buf)
 
 
+def _broken_send(slice_ns: int, spin: int) -> int:
+    """Stands in for the pending write once a fragmented message was cut off by an error."""
+    raise IPCError("the send side is unusable: a fragmented message was interrupted by an error")
+
+
 class _Ring:
     """One direction: the private C state plus the Python-side liveness poller."""
 
@@ -195,7 +200,7 @@ class Channel:
             try:
                 self._check_alive(self._tx)
             except IPCError:
-                self._pending = None
+                self._abandon_write()
                 raise
             slice_ns = self._slice_ns
             if deadline is not None:
@@ -220,8 +225,19 @@ class Channel:
                 self._pending = None
                 return
             if rc != _EAGAIN:
-                self._pending = None
+                self._abandon_write()
                 self._raise(rc, self._tx)
+
+    def _abandon_write(self) -> None:
+        """Reset the C write cursor after an error, so no later call resumes with other arrays.
+
+        If part of a fragmented message was already published the stream cannot be continued:
+        later sends raise instead of interleaving a new message into the fragments.
+        """
+        mid = ffi.new("int *")
+        lib.ring_write_progress(self._txr, mid)
+        lib.ring_write_abort(self._txr)
+        self._pending = _broken_send if mid[0] else None
 
     def _write(
         self,
@@ -240,6 +256,7 @@ class Channel:
         if rc == 0:
             return
         if rc != _EAGAIN:
+            self._abandon_write()
             self._raise(rc, self._tx)
         if timeout is not None:
             timeout = max(0.0, timeout - self._slice(timeout) / 1e9)
