@@ -297,3 +297,16 @@ def test_close_from_another_thread_wakes_blocked_calls() -> None:
     assert time.monotonic() - t0 < 1.0
     assert len(errors) == 2 and all(isinstance(e, ChannelClosedError) for e in errors), errors
     b.close()
+
+
+def test_fragmented_send_timeout_is_completed_by_the_next_send() -> None:
+    a, b = channel_pair(4096)
+    big = children.payload(5, 3 * 4096)
+    with pytest.raises(TimeoutError, match="next send completes it"):
+        a.send_bytes([big], timeout=0.05)  # nobody reads: stuck after the first fragments
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.extend(bytes(b.recv_bytes(timeout=5)[0]) for _ in "xy"))
+    t.start()
+    a.send_bytes([b"next"], timeout=5)  # first finishes the big one, then sends its own
+    t.join(10)
+    assert got == [big, b"next"]
