@@ -56,15 +56,7 @@ class InprocClient:
         from shm_engine.engine.core import EngineCore
 
         self.core = core or EngineCore(config)
-        runner = self.core.runner
-        self.ready = EngineReady(
-            num_kv_blocks=runner.num_blocks,
-            block_size=runner.block_size,
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.vocab_size,
-            eos_token_ids=list(runner.eos_token_ids),
-            model_name=runner.model_name,
-        )
+        self.ready = self.core.ready_info()
         self._errors: list[EngineCoreOutputs] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -15,7 +15,12 @@ from contextlib import contextmanager
 import numpy as np
 
 from shm_engine.engine.config import EngineConfig
-from shm_engine.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shm_engine.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    SchedulerStats,
+)
 from shm_engine.engine.request import Request
 from shm_engine.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
@@ -89,6 +94,18 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         return self.scheduler.abort_requests(request_ids)
+
+    def ready_info(self) -> EngineReady:
+        """What a client learns in the handshake: cache size, context length, vocabulary."""
+        r = self.runner
+        return EngineReady(
+            num_kv_blocks=r.num_blocks,
+            block_size=r.block_size,
+            max_model_len=r.max_model_len,
+            vocab_size=r.vocab_size,
+            eos_token_ids=list(r.eos_token_ids),
+            model_name=r.model_name,
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)

@@ -32,7 +32,6 @@ from shm_engine.engine.protocol import (
     EngineCoreRequest,
     EngineDead,
     EngineHello,
-    EngineReady,
     EngineStartup,
     RequestError,
     SchedulerStats,
@@ -84,15 +83,7 @@ class EngineCoreProc:
             os.sched_setaffinity(0, self.config.cpu_ids)
         self.core = EngineCore(self.config)
         self.core.before_update = self._apply_eager_aborts
-        runner = self.core.runner
-        ready = EngineReady(
-            num_kv_blocks=runner.num_blocks,
-            block_size=runner.block_size,
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.vocab_size,
-            eos_token_ids=list(runner.eos_token_ids),
-            model_name=runner.model_name,
-        )
+        ready = self.core.ready_info()
         for chan in self.channels:
             chan.send(ready)
         self.input_queue: queue.Queue = queue.Queue()

@@ -109,13 +109,7 @@ class LLM:
         sent = 0
         try:
             while True:
-                out = self.client.get_output(timeout=1.0)
-                if out is None:
-                    continue
-                results, to_abort = self.processor.process(out)
-                if to_abort:
-                    self.client.abort_requests(to_abort)
-                for r in results:
+                for r in self._pump():
                     if r.request_id != rid:
                         continue
                     if r.error:
@@ -155,6 +149,16 @@ class LLM:
             )
         return rid
 
+    def _pump(self) -> list[RequestOutput]:
+        """One engine step's outputs, processed; stop-string hits are aborted in the engine."""
+        out = self.client.get_output(timeout=1.0)
+        if out is None:
+            return []
+        results, to_abort = self.processor.process(out)
+        if to_abort:
+            self.client.abort_requests(to_abort)
+        return results
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
 
@@ -163,13 +167,7 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while len(finished) < len(request_ids):
-                out = self.client.get_output(timeout=1.0)
-                if out is None:
-                    continue
-                results, to_abort = self.processor.process(out)
-                if to_abort:
-                    self.client.abort_requests(to_abort)
-                for r in results:
+                for r in self._pump():
                     if r.finished and r.request_id in wanted:
                         finished[r.request_id] = r
                         bar.update(1)

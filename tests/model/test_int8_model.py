@@ -16,58 +16,18 @@ from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
 from shm_engine.model.int8_model import Int8Llama
 from shm_engine.model.kv_cache import allocate_kv
-from shm_engine.model.loader import expected_weight_names
 from shm_engine.model.reference import ReferenceModel
 from shm_engine.model.torch_model import TorchLlama
+
+from .conftest import tiny_config, tiny_weights
 
 BLOCK = 16
 
 
 def random_model(**overrides) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    cfg = dict(
-        architecture="llama",
-        vocab_size=320,
-        hidden_size=128,
-        intermediate_size=352,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    cfg.update(overrides)
-    config = ModelConfig(**cfg)
-    g = torch.Generator().manual_seed(0)
-    weights = {}
-    for name in expected_weight_names(config):
-        if name.endswith("norm.weight"):
-            weights[name] = 1.0 + 0.1 * torch.randn(config.hidden_size, generator=g)
-            continue
-        if name.endswith(".bias"):
-            n = config.q_size if "q_proj" in name else config.kv_size
-            weights[name] = 0.1 * torch.randn(n, generator=g)
-            continue
-        shape = _shape(config, name)
-        weights[name] = torch.randn(shape, generator=g) / math.sqrt(shape[1])
-    return config, weights
-
-
-def _shape(c: ModelConfig, name: str) -> tuple[int, int]:
-    h = c.hidden_size
-    table = {
-        "embed_tokens": (c.vocab_size, h),
-        "lm_head": (c.vocab_size, h),
-        "q_proj": (c.q_size, h),
-        "k_proj": (c.kv_size, h),
-        "v_proj": (c.kv_size, h),
-        "o_proj": (h, c.q_size),
-        "gate_proj": (c.intermediate_size, h),
-        "up_proj": (c.intermediate_size, h),
-        "down_proj": (h, c.intermediate_size),
-    }
-    return next(v for k, v in table.items() if k in name)
+    base = dict(vocab_size=320, hidden_size=128, intermediate_size=352, num_layers=3, head_dim=32)
+    config = tiny_config(**(base | overrides))
+    return config, tiny_weights(config)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
