@@ -32,6 +32,8 @@ EXT_TORCH = 2
 # Ext payload: u32 frame index (0 = data inline after the header), u8 ndim, u8 dtype code,
 # ndim * i64 shape.  A closed table of dtype codes means nothing from the wire reaches np.dtype().
 _HEAD = struct.Struct("<IBB")
+_HEAD1 = struct.Struct("<IBBq")  # the same header followed by the one dimension of a 1-D array
+_Ext = msgspec.msgpack.Ext
 _SHAPE = [struct.Struct(f"<{n}q") for n in range(33)]
 _CODES = [
     "?",
@@ -86,18 +88,21 @@ class Encoder:
             self._aux = None
 
     def _array_ext(self, arr: np.ndarray, code: int, dtype_code: int) -> msgspec.msgpack.Ext:
+        ndim = arr.ndim
+        if arr.nbytes <= self.inline_max:
+            # Inline (frame index 0: the bytes follow the header); tobytes() is C order even for
+            # a non-contiguous array, so no contiguity check is needed on this hot path.
+            if ndim == 1:
+                return _Ext(code, _HEAD1.pack(0, 1, dtype_code, arr.shape[0]) + arr.tobytes())
+            head = _HEAD.pack(0, ndim, dtype_code) + _SHAPE[ndim].pack(*arr.shape)
+            return _Ext(code, head + arr.tobytes())
         aux = self._aux
         if aux is None:
-            raise TypeError("arrays can only be encoded through Encoder.encode")
+            raise TypeError("large arrays can only be encoded through Encoder.encode")
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")  # (ascontiguousarray would turn 0-d into 1-d)
-        ndim = arr.ndim
-        shape = _SHAPE[ndim].pack(*arr.shape)
-        if arr.nbytes <= self.inline_max:
-            head = _HEAD.pack(0, ndim, dtype_code)  # frame index 0: bytes follow the header
-            return msgspec.msgpack.Ext(code, b"".join((head, shape, arr.tobytes())))
         aux.append(arr.reshape(-1).view(np.uint8))
-        return msgspec.msgpack.Ext(code, _HEAD.pack(len(aux), ndim, dtype_code) + shape)
+        return _Ext(code, _HEAD.pack(len(aux), ndim, dtype_code) + _SHAPE[ndim].pack(*arr.shape))
 
     def _hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
