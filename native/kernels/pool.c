@@ -117,7 +117,23 @@ static int default_threads(void) {
     return n > 0 ? (int)n : 1;
 }
 
+/* A forked child has none of the parent's workers: forget them and start a fresh pool lazily
+ * (without this the child would still work, the caller running every task itself). */
+static void atfork_child(void) {
+    pthread_mutex_init(&P.lock, NULL);
+    P.nthreads = 1;
+    P.initialised = 0;
+    atomic_store(&P.sleepers, 0);
+    atomic_store(&P.waiting, 0);
+    atomic_store(&P.stop, 0);
+}
+
 static void ensure_init(void) {
+    static int atfork_registered;
+    if (!atfork_registered) {
+        atfork_registered = 1;
+        pthread_atfork(NULL, NULL, atfork_child);
+    }
     if (!P.initialised) {
         P.initialised = 1;
         start_workers(default_threads());
@@ -126,7 +142,7 @@ static void ensure_init(void) {
 
 int shmk_set_num_threads(int n) {
     pthread_mutex_lock(&P.lock);
-    P.initialised = 1;
+    ensure_init();
     stop_workers();
     int r = start_workers(n);
     pthread_mutex_unlock(&P.lock);

@@ -185,3 +185,16 @@ def test_paths_reported():
     if "vnni" not in PATHS:
         with pytest.raises(ValueError, match="not supported"):
             K.set_path("vnni")
+
+
+def test_pool_survives_fork():
+    import os
+
+    p = K.PackedLinear.from_float(torch.randn(512, 256))
+    x = torch.randn(64, 256)
+    y = K.linear(x, p)
+    pid = os.fork()
+    if pid == 0:  # child: fresh pool, same results
+        os._exit(0 if torch.equal(K.linear(x, p), y) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
