@@ -16,6 +16,10 @@ def build(name: str) -> pathlib.Path:
     spec = importlib.util.spec_from_file_location(f"_build_{name}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # NOTE: unlink (not overwrite) the old module: processes that have it mapped keep the old
+    # inode, where writing over it in place would crash them.
+    for old in (ROOT / "shm_engine").glob(f"_{name}_cffi.*.so"):
+        old.unlink()
     # NOTE: cffi compiles inside tmpdir; with the repo root there, the sources' root-relative paths
     # resolve and the module lands in shm_engine/ directly (generated .c and .o are git-ignored).
     return pathlib.Path(module.ffibuilder.compile(tmpdir=str(ROOT)))
