@@ -118,7 +118,7 @@ class SyncMPClient:
                 "-m",
                 "shm_engine.engine.core_proc",
                 self.listener.address,
-                str(engine_index),
+                f"--engine-index={engine_index}",
             ],
             stdin=subprocess.DEVNULL,
         )

@@ -224,13 +224,14 @@ class EngineCoreProc:
         """Send each client the rows of its own requests."""
         if self.config.log_stats:
             out.scheduler_stats = self.core.get_stats()
-        for row in out.finished:
-            self.request_client.pop(out.request_ids[row], None)
         if len(self.channels) == 1:
             self.output_queue.put((0, out))
-            return
-        for client, part in _split_by_client(out, self.request_client).items():
-            self.output_queue.put((client, part))
+        else:
+            for client, part in _split_by_client(out, self.request_client).items():
+                self.output_queue.put((client, part))
+        # NOTE: only after the split, which needs the owners of the finishing requests too.
+        for row in out.finished:
+            self.request_client.pop(out.request_ids[row], None)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -311,6 +312,12 @@ def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    run_engine_core(sys.argv[1:2], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    parser = argparse.ArgumentParser(description="an engine process serving one or more clients")
+    parser.add_argument(
+        "addresses", nargs="+", help="client listener addresses; the first sends the config"
+    )
+    parser.add_argument("--engine-index", type=int, default=0)
+    cli = parser.parse_args()
+    run_engine_core(cli.addresses, cli.engine_index)

@@ -296,3 +296,51 @@ def test_data_parallel_replicas_share_the_work():
     for a, b in zip(dp, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert shm_entries() <= before
+
+
+def test_one_engine_serves_two_clients_on_their_own_rings(tokenizer):
+    """Two frontends (e.g. API-server processes), each with its own channel to one engine."""
+    import subprocess
+    import sys
+
+    from shm_engine.engine.protocol import EngineHello, EngineMessage, EngineReady, EngineStartup
+    from shm_engine.ipc import ChannelListener
+
+    before = shm_entries()
+    listeners = [ChannelListener(), ChannelListener()]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shm_engine.engine.core_proc", *(x.address for x in listeners)]
+    )
+    recv_type = EngineMessage | EngineHello | EngineReady
+    try:
+        chans = [x.accept(timeout=60, recv_type=recv_type) for x in listeners]
+        assert all(isinstance(c.recv(timeout=60), EngineHello) for c in chans)
+        chans[0].send(EngineStartup(config=config(num_kv_blocks=64)))
+        assert all(isinstance(c.recv(timeout=120), EngineReady) for c in chans)
+        prompt = tokenizer.encode("The capital of France is")
+        for i, c in enumerate(chans):
+            for j in range(3):
+                c.send(request(f"client{i}-{j}", prompt, max_tokens=5))
+        for i, c in enumerate(chans):
+            seen: dict[str, int] = {}
+            while len([r for r, n in seen.items() if n == 5]) < 3:
+                out = c.recv(timeout=60)
+                for rid in out.request_ids:
+                    assert rid.startswith(f"client{i}-"), "an output went to the wrong client"
+                    seen[rid] = seen.get(rid, 0) + 1
+        # One client leaving aborts only its own requests; the engine keeps serving the other.
+        chans[0].send(request("orphan", prompt, max_tokens=400, ignore_eos=True))
+        chans[0].close()
+        chans[1].send(request("survivor", prompt, max_tokens=3))
+        got = 0
+        while got < 3:
+            got += chans[1].recv(timeout=60).request_ids.count("survivor")
+        chans[1].close()
+        assert proc.wait(timeout=30) == 0  # the last client gone: the engine exits cleanly
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for x in listeners:
+            x.close()
+    assert shm_entries() <= before
