@@ -25,71 +25,34 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from shm_engine.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shm_engine.ipc import ChannelListener, Decoder, Encoder, connect
+from shm_engine.sampling_params import SamplingParams
 
 SIZES = [100, 2048, 65536, 1 << 20]
 
-# ---- stand-ins for the engine protocol (the engine engineer swaps in the real structs) ----------
+# ---- the engine's own messages (shm_engine/engine/protocol.py) --------------------------------
+
+ProjectMsg = EngineCoreRequest | EngineCoreOutputs
 
 
-class Params(msgspec.Struct, array_like=True, omit_defaults=True):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    seed: int | None = None
-
-
-class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag=1):
-    request_id: str
-    prompt_token_ids: np.ndarray  # int32
-    params: Params
-    arrival_time: float
-
-
-class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-
-
-class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=2):
-    """Per-request shape: one small struct per running request."""
-
-    outputs: list[RequestOutput]
-    timestamp: float
-
-
-class StepOutputsColumnar(msgspec.Struct, array_like=True, omit_defaults=True, tag=3):
-    """Columnar shape: ids + one int32 array of new tokens + offsets, sparse finish reasons."""
-
-    request_ids: list[str]
-    new_token_ids: np.ndarray  # int32, concatenated
-    offsets: np.ndarray  # int32, len(request_ids) + 1
-    finished: dict[int, str]
-    timestamp: float
-
-
-ProjectMsg = AddRequest | StepOutputs | StepOutputsColumnar
-
-
-def make_add_request() -> AddRequest:
+def make_add_request() -> EngineCoreRequest:
     toks = np.random.default_rng(0).integers(0, 50000, 500, dtype=np.int32)
-    return AddRequest("cmpl-3f9a1c2e7b4d4e0f-0", toks, Params(0.7, 0.9, 40, 256, 1234), 0.0)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=256, seed=1234)
+    return EngineCoreRequest(
+        request_id="cmpl-3f9a1c2e7b4d4e0f-0", prompt_token_ids=toks, sampling_params=params
+    )
 
 
-def make_step_outputs(columnar: bool) -> Any:
-    ids = [f"cmpl-{i:016x}-0" for i in range(256)]
-    if columnar:
-        return StepOutputsColumnar(
-            ids,
-            np.arange(256, dtype=np.int32),
-            np.arange(257, dtype=np.int32),
-            {7: "stop"},
-            0.0,
-        )
-    outs = [RequestOutput(r, [i], "stop" if i == 7 else None) for i, r in enumerate(ids)]
-    return StepOutputs(outs, 0.0)
+def make_step_outputs() -> EngineCoreOutputs:
+    """One decode step of 256 running requests: one new token each, one of them finishing."""
+    return EngineCoreOutputs(
+        request_ids=[f"cmpl-{i:016x}-0" for i in range(256)],
+        num_new_tokens=[1] * 256,
+        new_token_ids=list(range(1000, 1256)),
+        finished={7: "stop"},
+        scheduler_stats=SchedulerStats(num_running=256, kv_cache_usage=0.5, step_count=1000),
+    )
 
 
 # ---- child process ----------------------------------------------------------------------------
@@ -200,7 +163,7 @@ def _project(transport: str, a: dict, ctrl: Any, data: Any) -> Any:
 
 
 def _sent_at(m: Any) -> float:
-    return m.arrival_time if isinstance(m, AddRequest) else m.timestamp
+    return m.arrival_time if isinstance(m, EngineCoreRequest) else m.timestamp
 
 
 def _wake(transport: str, a: dict, ctrl: Any, data: Any) -> Any:
@@ -372,7 +335,7 @@ class Bench:
         end = self._start("project", transport, {"n": n})
         pc = time.perf_counter
         for _ in range(n):
-            if isinstance(msg, AddRequest):
+            if isinstance(msg, EngineCoreRequest):
                 msg.arrival_time = pc()
             else:
                 msg.timestamp = pc()
@@ -485,8 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         msgs = [
             ("add_request_500", make_add_request()),
-            ("step_outputs_256", make_step_outputs(columnar=False)),
-            ("step_outputs_256_columnar", make_step_outputs(columnar=True)),
+            ("step_outputs_256", make_step_outputs()),
         ]
         for name, msg in msgs:
             for tr in ("ring", "zmq"):
