@@ -1,0 +1,120 @@
+"""Model benchmark, side by side in one run: the int8 model (native kernels) vs the fp32 torch path.
+
+- GEMM GOP/s for the model's shapes at M = 1, 8, 32, 256 (ours, torch fp32, torch dynamic int8);
+- prefill tokens/s of a 512-token prompt;
+- decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context;
+- peak RSS of a fresh process that loads the default int8 model (KV cache excluded).
+
+    python -m benchmarks.bench_model [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+from shm_engine.model.batch import BatchInputs
+from shm_engine.model.kv_cache import allocate_kv
+
+BLOCK = 16
+CONTEXT = 128
+
+
+def prefill_tok_s(model, config, n_tokens: int, repeats: int) -> float:
+    kv = allocate_kv(config, -(-n_tokens // BLOCK), BLOCK)
+    tokens = list(range(100, 100 + n_tokens))
+    batch = BatchInputs.build([(tokens, 0, n_tokens, list(range(len(kv[0][0]))))], BLOCK, [True])
+    model.forward(batch, kv)  # warm-up: scratch buffers, page faults
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.forward(batch, kv)
+        times.append(time.perf_counter() - t0)
+    return n_tokens / sorted(times)[len(times) // 2]
+
+
+def decode_tok_s(model, config, batch_size: int, steps: int) -> float:
+    """Greedy decode of ``batch_size`` sequences, each with CONTEXT tokens already cached."""
+    per_seq = -(-(CONTEXT + steps + 1) // BLOCK)
+    kv = allocate_kv(config, batch_size * per_seq, BLOCK)
+    seqs = [list(range(100 + i, 100 + i + CONTEXT)) for i in range(batch_size)]
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)]
+    prefill = BatchInputs.build(
+        [(s, 0, CONTEXT, t) for s, t in zip(seqs, tables, strict=True)], BLOCK, [True] * batch_size
+    )
+    for s, tok in zip(seqs, model.forward(prefill, kv).argmax(-1).tolist(), strict=True):
+        s.append(tok)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = BatchInputs.build(
+            [(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables, strict=True)],
+            BLOCK,
+            [True] * batch_size,
+        )
+        for s, tok in zip(seqs, model.forward(batch, kv).argmax(-1).tolist(), strict=True):
+            s.append(tok)
+    return batch_size * steps / (time.perf_counter() - t0)
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS of a fresh process that loads and packs the default model (no KV cache)."""
+    code = (
+        "import resource\n"
+        "from shm_engine.model.loader import load_model\n"
+        "from shm_engine.model.int8_model import Int8Llama\n"
+        "m = load_model(None)\n"
+        "model = Int8Llama(m.config, m.weights)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and steps")
+    ap.add_argument("--skip-fp32", action="store_true", help="only the int8 model")
+    args = ap.parse_args()
+    steps = 8 if args.quick else 32
+    repeats = 2 if args.quick else 5
+
+    from benchmarks.bench_gemm import format_table, gemm_rows
+    from shm_engine.model.int8_model import Int8Llama
+    from shm_engine.model.loader import load_model
+    from shm_engine.model.torch_model import TorchLlama
+
+    results: dict = {"peak_rss_mb": peak_rss_mb()}
+    print(f"peak RSS holding the int8 model: {results['peak_rss_mb']:.0f} MB")
+
+    rows = gemm_rows(ms_per_point=100 if args.quick else 300)
+    print(format_table(rows))
+    results["gemm"] = [{k: r[k] for k in ("m", "n", "k", "name", "impl", "gops")} for r in rows]
+
+    loaded = load_model(None)
+    models = {"int8": Int8Llama(loaded.config, loaded.weights)}
+    if not args.skip_fp32:
+        models["fp32"] = TorchLlama(loaded.config, loaded.weights)
+    for name, model in models.items():
+        prefill = prefill_tok_s(model, loaded.config, 512, repeats)
+        decode = {b: decode_tok_s(model, loaded.config, b, steps) for b in (1, 8, 16, 32)}
+        key = "" if name == "int8" else "fp32_"
+        results[f"{key}prefill_tok_s"] = prefill
+        results[f"{key}decode_tok_s"] = decode
+        line = "  ".join(f"b{b} {v:7.1f}" for b, v in decode.items())
+        print(f"{name:5s} prefill(512) {prefill:8.1f} tok/s   decode tok/s: {line}")
+    results["bench_process_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
