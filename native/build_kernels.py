@@ -1,7 +1,7 @@
-"""cffi (API mode) build of shm_engine._kernels_cffi: int8 GEMM, norms, RoPE, paged attention.
+"""cffi (API mode) build of shm_engine._kernels_cffi: W8 x A16 GEMM, norms, RoPE, paged attention.
 
 Plain C11 + pthreads.  No -march: SIMD paths use per-function target attributes and are picked at
-run time (see native/kernels/gemm.c), so the module imports on any x86-64.
+run time (see native/kernels/gemm16.c), so the module imports on any x86-64.
 """
 
 import pathlib
@@ -10,7 +10,7 @@ from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE / "kernels"
-SOURCES = ["pool.c", "gemm.c", "ops.c", "layer.c"]
+SOURCES = ["pool.c", "gemm16.c", "ops.c", "layer.c"]
 
 
 def _cdef() -> str:

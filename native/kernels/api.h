@@ -15,22 +15,33 @@ int shmk_set_path(int path);              /* 0 on success, -1 if the CPU lacks i
 int shmk_set_num_threads(int n);          /* resizes the persistent pool (n >= 1); returns n */
 int shmk_get_num_threads(void);
 
-/* ---- int8 weights: [nb = ceil(n/16)][kp/4][16 channels][4 k] int8, kp = ceil(k/4)*4 ---- */
-size_t shmk_packed_bytes(int64_t n, int64_t k);
-/* w fp32 [n,k] -> packed int8, scales[nb*16] (max|w|/127, 0 for padding), sums[nb*16] (sum_k q) */
-void shmk_pack_weights(const float *w, int64_t n, int64_t k, int8_t *packed, float *scales,
-                       int32_t *sums);
-void shmk_unpack_weights(const int8_t *packed, int64_t n, int64_t k, int8_t *out);
+/* ---- W8 (group-32) x A16 (per-token) GEMM (gemm16.c) ----
+ * weights: int8, a scale per (output channel, 32 consecutive k); kp = ceil(k/32)*32.
+ *   packed [nb = ceil(n/16)][kp/32][16 pairs][16 channels][2 k] int8 (zero padded);
+ *   scales fp16 bits [nb][kp/32][16]; real scale = fp16(scales) * scale_mult (a power of two). */
+int64_t shmk_padded_k(int64_t k);                  /* k rounded up to a multiple of 32 */
+size_t shmk_packed_bytes(int64_t n, int64_t k);    /* int8 bytes of packed */
+size_t shmk_packed_scales(int64_t n, int64_t k);   /* number of fp16 scales */
+/* w fp32 [n,k] -> packed, scales; returns scale_mult */
+float shmk_pack_weights(const float *w, int64_t n, int64_t k, int8_t *packed, uint16_t *scales);
+/* q int8 [n,k] and the real group scales fp32 [n][kp/32] */
+void shmk_unpack_weights(const int8_t *packed, const uint16_t *scales, float scale_mult, int64_t n,
+                         int64_t k, int8_t *q, float *gscales);
 
-/* ---- activations: per-row symmetric int8, xq[m][kp] (zero padded), scale = max|x|/127 ---- */
-int64_t shmk_padded_k(int64_t k);
-void shmk_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *scales);
-/* raw exact accumulators: acc[i][j] = sum_k xq[i][k] * q[j][k] (int32) */
-void shmk_gemm_s8_acc(const int8_t *xq, int64_t m, const int8_t *packed, const int32_t *sums,
-                      int64_t n, int64_t k, int32_t *acc);
-/* y[m,n] = dequant(quant(x) @ q^T) + bias  (bias may be NULL) */
-void shmk_linear(const float *x, int64_t m, int64_t k, const int8_t *packed, const float *wscales,
-                 const int32_t *wsums, const float *bias, int64_t n, float *y);
+typedef struct {
+    int64_t n, k;
+    const int8_t *packed;
+    const uint16_t *scales;
+    float scale_mult;
+    const float *bias; /* may be NULL */
+} shmk_linear_t;
+
+/* activations: per-row symmetric int16, xq[m][kp] zero padded, scale = max|x|/32767 */
+void shmk_quantize_rows(const float *x, int64_t m, int64_t k, int16_t *xq, float *scales);
+/* exact group dot products dots[i][j][g] = sum_{k in group g} xq[i][k] * q[j][k] (int32) */
+void shmk_gemm_group_dots(const int16_t *xq, int64_t m, const shmk_linear_t *w, int32_t *dots);
+/* y[m,n] = x @ dequant(W)^T (+ bias), via per-row int16 quantisation of x */
+void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 
 /* ---- elementwise / normalisation ---- */
 /* if residual != NULL: x += residual (in place); then out = x * rsqrt(mean(x^2) + eps) * w */
@@ -53,14 +64,6 @@ void shmk_paged_attention(const float *q, const float *k_cache, const float *v_c
                           int64_t d, int64_t block_size, float scale, float *out);
 
 /* ---- one fused decoder layer ---- */
-typedef struct {
-    int64_t n, k;
-    const int8_t *packed;
-    const float *scales;
-    const int32_t *sums;
-    const float *bias; /* may be NULL */
-} shmk_linear_t;
-
 typedef struct {
     int64_t hidden, hq, hk, d, ffn;
     float eps;

@@ -8,9 +8,6 @@
 
 enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2 };
 
-#define SHMK_NB 16 /* output channels per packed block */
-#define SHMK_KG 4  /* consecutive k per channel inside a block row */
-
 static inline int64_t shmk_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Current dispatch path (set once from the CPU / SHMK_PATH env, or by shmk_set_path). */
@@ -26,10 +23,8 @@ int shmk_threads(void);
 /* Thread-local growable scratch (64-byte aligned).  slot selects one of a few buffers. */
 void *shmk_scratch(int slot, size_t bytes);
 
-/* GEMM internals reused by the fused layer. */
-void shmk_linear_impl(const float *x, int64_t m, int64_t k, const int8_t *packed,
-                      const float *wscales, const int32_t *wsums, const float *bias, int64_t n,
-                      float *y, int accumulate);
+/* GEMM internal reused by the fused layer: y (+)= linear(x). */
+void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
 
 void shmk_rope_qkv(float *qkv, const int64_t *pos, int64_t t, int64_t hq, int64_t hk, int64_t d,
                    const float *cos_sin, int64_t max_pos);

@@ -2,7 +2,7 @@
 #include "common.h"
 
 static void lin(const shmk_linear_t *w, const float *x, int64_t t, float *y, int accumulate) {
-    shmk_linear_impl(x, t, w->k, w->packed, w->scales, w->sums, w->bias, w->n, y, accumulate);
+    shmk_linear_impl(w, x, t, y, accumulate);
 }
 
 void shmk_llama_layer_forward(const shmk_layer_t *L, const shmk_step_t *S, float *hidden,

@@ -1,10 +1,12 @@
 """The int8 Llama model on the native kernels: one native call per decoder layer.
 
-Weights are quantized per output channel and packed once, at load, one tensor at a time from the
-lazy loader, so peak memory stays near the packed size. q/k/v are packed as one [q|k|v] matrix and
-gate/up as one [gate|up] matrix, so each projection group is a single GEMM. The input embedding is
-stored int8 with a per-row scale too (it is looked up, never multiplied), which keeps the resident
-model small; the LM head is a packed GEMM over the same (tied) or its own weights.
+Weights are quantized to int8 with a scale per (output channel, 32 consecutive k) for the
+W8 x A16 GEMM (int16 activations per token) and packed once, at load, one tensor at a time from
+the lazy loader, so peak memory stays near the packed size. q/k/v are packed as one [q|k|v] matrix
+and gate/up as one [gate|up] matrix, so each projection group is a single GEMM. The input
+embedding is stored int8 with the same group-32 scales (it is looked up, never multiplied), which
+keeps the resident model small; the LM head is a packed GEMM over the same (tied) or its own
+weights.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ class Int8Llama:
         self.config = config
         c = config
         emb = weights["model.embed_tokens.weight"]
-        scale = emb.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.embed_q = torch.round(emb / scale[:, None]).to(torch.int8)
-        self.embed_scale = scale.to(torch.float32)
         head = emb if c.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = kernels.PackedLinear.from_float(head)
-        del emb, head
+        # The embedding is looked up, never multiplied: int8 rows with the GEMM's group-32 scales
+        # (for tied weights exactly the LM head's quantisation).
+        embed = self.lm_head if c.tie_word_embeddings else kernels.PackedLinear.from_float(emb)
+        self.embed_q, self.embed_scale = embed.unpack()  # int8 [vocab, h], fp32 [vocab, h/32]
+        del emb, head, embed
         self.final_norm = weights["model.norm.weight"].float().contiguous()
         self.layers = [self._pack_layer(weights, i) for i in range(c.num_layers)]
         self.cos_sin = kernels.rope_cos_sin(c.inv_freq(), c.max_position_embeddings)
@@ -91,7 +94,9 @@ class Int8Llama:
     ) -> torch.Tensor:
         """fp32 logits [len(logits_indices), vocab]."""
         ids = batch.input_ids
-        hidden = self.embed_q[ids].to(torch.float32).mul_(self.embed_scale[ids, None])
+        hidden = self.embed_q[ids].to(torch.float32)
+        scale = self.embed_scale[ids].repeat_interleave(32, dim=1)[:, : hidden.shape[1]]
+        hidden.mul_(scale)
         k0 = kv_caches[0][0]
         step = kernels.LayerStep(
             positions=batch.positions,

@@ -1,21 +1,23 @@
-"""Python wrapper of the native int8 / fp32 kernels (``shm_engine._kernels_cffi``).
+"""Python wrapper of the native W8xA16 / fp32 kernels (``shm_engine._kernels_cffi``).
 
 This is the only module that imports the cffi extension.  Every function takes CPU torch tensors,
 checks dtype / shape / contiguity and raises ``ValueError`` / ``TypeError`` with a clear message
 before calling into C; the C code releases the GIL and runs on a persistent pthread pool
 (``set_num_threads``).
 
-Quantisation (identical on every dispatch path, so paths and thread counts agree bit for bit):
+Quantisation, W8 (group 32) x A16 (per token); identical on every dispatch path, so paths and
+thread counts agree bit for bit:
 
-* weights, once at load: per output channel ``q = rint(w * 127 / max|w|)`` in [-127, 127],
-  ``scale = max|w| / 127``; packed in blocks of 16 channels x 4 consecutive k (64 bytes, one
-  AVX512 register / two AVX2 registers per k-group); N padded to 16 and K to 4 with zeros;
-* activations, per call: per row (token) ``xq = rint(x * 127 / max|x|)`` in [-127, 127] (int8,
-  symmetric), ``sx = max|x| / 127``;
-* ``acc = sum_k xq * q`` exactly in int32 (AVX512-VNNI feeds ``xq + 128`` as u8 to vpdpbusd and
-  subtracts ``128 * sum_k q`` per channel; AVX2 uses |xq| * (q * sign(xq)) with vpmaddubsw, which
-  cannot saturate for operands in [-127, 127]);
-* ``y = float(acc) * (sx * sw) + bias``.
+* weights, once at load: int8 with a scale per (output channel, 32 consecutive k):
+  ``s = fp16(max|w| / 127 * 2^E) * 2^-E`` (``E`` per matrix keeps the fp16 scales in range;
+  ``scale_mult = 2^-E``), ``q = rint(w / s)`` in [-127, 127]; packed in blocks of 16 channels,
+  per group 16 rows of 16 channels x 2 consecutive k (one ``vpmovsxbw`` gives a zmm of int16 pairs
+  for ``vpdpwssd``); N padded to 16 and K to 32 with zeros;
+* activations, per call: per row (token) ``xq = rint(x * 32767 / max|x|)`` in [-32767, 32767]
+  (int16, symmetric), ``sx = max|x| / 32767``;
+* per group ``dot = sum_k xq * q`` exactly in int32 (AVX512-VNNI ``vpdpwssd``, AVX2
+  ``vpmaddwd``), then ``acc = fma(float(dot), s_g, acc)`` over the groups in order;
+* ``y = acc * (sx * scale_mult) + bias``.
 
 KV cache layout (per layer): ``k_cache, v_cache: float32 [num_blocks, block_size, Hkv, D]``; token
 slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
@@ -38,9 +40,9 @@ __all__ = [
     "LlamaLayer",
     "PackedLinear",
     "best_path",
-    "gemm_s8_acc",
     "get_num_threads",
     "get_path",
+    "group_dots",
     "linear",
     "llama_layer_forward",
     "padded_k",
@@ -59,7 +61,6 @@ __all__ = [
 
 PATHS = {"portable": 0, "avx2": 1, "vnni": 2}
 _PATH_NAMES = {v: k for k, v in PATHS.items()}
-BLOCK_N = 16  # output channels per packed block
 
 
 # --------------------------------------------------------------------------- dispatch / threads
@@ -104,7 +105,7 @@ def get_num_threads() -> int:
 
 
 def padded_k(k: int) -> int:
-    """K rounded up to a multiple of 4 (row length of quantised activations)."""
+    """K rounded up to a multiple of 32 (row length of quantised activations)."""
     return int(lib.shmk_padded_k(k))
 
 
@@ -145,6 +146,14 @@ def _i8(t: torch.Tensor):
     return ffi.cast("int8_t *", t.data_ptr())
 
 
+def _i16(t: torch.Tensor):
+    return ffi.cast("int16_t *", t.data_ptr())
+
+
+def _u16(t: torch.Tensor):
+    return ffi.cast("uint16_t *", t.data_ptr())
+
+
 def _as_i64(t: torch.Tensor, name: str) -> torch.Tensor:
     _check(t, name, (torch.int64, torch.int32), 1)
     return t if t.dtype == torch.int64 else t.to(torch.int64)
@@ -155,25 +164,26 @@ def _as_i32(t: torch.Tensor, name: str, ndim: int) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-# --------------------------------------------------------------------------- int8 linear
+# --------------------------------------------------------------------------- W8 x A16 linear
 class PackedLinear:
-    """An int8 weight packed for the native GEMM (build once at load with ``from_float``).
+    """An int8 group-32 weight packed for the native GEMM (build once at load with ``from_float``).
 
-    Attributes: ``n``, ``k`` (logical shape [n, k]), ``packed`` (int8, flat, ceil(n/16)*16 * kp
-    bytes), ``scales`` (fp32 [ceil(n/16)*16], 0 for padding), ``sums`` (int32, per-channel sum of
-    the int8 weights, for the VNNI +128 compensation), ``bias`` (fp32 [n] or None).
+    Attributes: ``n``, ``k`` (logical shape [n, k]), ``kp`` (k padded to 32), ``groups``
+    (kp / 32), ``packed`` (int8, flat, ceil(n/16)*16 * kp bytes), ``scales`` (fp16 bits as int16,
+    flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias`` (fp32 [n] or None).
     """
 
-    __slots__ = ("n", "k", "kp", "packed", "scales", "sums", "bias", "_c")
+    __slots__ = ("n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "_c")
 
-    def __init__(self, n, k, packed, scales, sums, bias=None):
+    def __init__(self, n, k, packed, scales, scale_mult, bias=None):
         self.n, self.k, self.kp = int(n), int(k), padded_k(k)
-        self.packed, self.scales, self.sums, self.bias = packed, scales, sums, bias
+        self.groups = self.kp // 32
+        self.packed, self.scales, self.scale_mult, self.bias = packed, scales, scale_mult, bias
         c = ffi.new("shmk_linear_t *")
         c.n, c.k = self.n, self.k
         c.packed = _i8(packed)
-        c.scales = _f32(scales)
-        c.sums = _i32(sums)
+        c.scales = _u16(scales)
+        c.scale_mult = float(scale_mult)
         c.bias = _f32(bias) if bias is not None else ffi.NULL
         self._c = c
 
@@ -188,31 +198,33 @@ class PackedLinear:
         n, k = w.shape
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
-        npad = -(-n // BLOCK_N) * BLOCK_N
         packed = torch.empty(int(lib.shmk_packed_bytes(n, k)), dtype=torch.int8)
-        scales = torch.empty(npad, dtype=torch.float32)
-        sums = torch.empty(npad, dtype=torch.int32)
-        lib.shmk_pack_weights(_f32(w), n, k, _i8(packed), _f32(scales), _i32(sums))
+        scales = torch.empty(int(lib.shmk_packed_scales(n, k)), dtype=torch.int16)
+        mult = float(lib.shmk_pack_weights(_f32(w), n, k, _i8(packed), _u16(scales)))
         b = None
         if bias is not None:
             b = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
             _shape(b, "bias", (n,))
-        return cls(n, k, packed, scales, sums, b)
+        return cls(n, k, packed, scales, mult, b)
 
     @property
     def nbytes(self) -> int:
         extra = self.bias.numel() * 4 if self.bias is not None else 0
-        return self.packed.numel() + self.scales.numel() * 4 + self.sums.numel() * 4 + extra
+        return self.packed.numel() + self.scales.numel() * 2 + extra
 
-    def unpack_int8(self) -> torch.Tensor:
-        """The int8 weights q [n, k] back out of the packed layout (for tests)."""
-        out = torch.empty(self.n, self.k, dtype=torch.int8)
-        lib.shmk_unpack_weights(_i8(self.packed), self.n, self.k, _i8(out))
-        return out
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [n, k], group scales fp32 [n, groups]) back out of the packed layout."""
+        q = torch.empty(self.n, self.k, dtype=torch.int8)
+        s = torch.empty(self.n, self.groups, dtype=torch.float32)
+        lib.shmk_unpack_weights(
+            _i8(self.packed), _u16(self.scales), self.scale_mult, self.n, self.k, _i8(q), _f32(s)
+        )
+        return q, s
 
     def dequantized(self) -> torch.Tensor:
-        """fp32 [n, k] = q * scale (what the int8 GEMM effectively multiplies by)."""
-        return self.unpack_int8().float() * self.scales[: self.n, None]
+        """fp32 [n, k] = q * group scale (what the GEMM effectively multiplies by)."""
+        q, s = self.unpack()
+        return (q.float() * s.repeat_interleave(32, dim=1)[:, : self.k]).contiguous()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self, out)
@@ -223,29 +235,29 @@ class PackedLinear:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8: returns (xq int8 [m, padded_k(k)] zero-padded, scales fp32 [m])."""
+    """Per-row symmetric int16: (xq int16 [m, padded_k(k)] zero-padded, scales fp32 [m])."""
     _check(x, "x", torch.float32, 2)
     m, k = x.shape
-    xq = torch.empty(m, padded_k(k), dtype=torch.int8)
+    xq = torch.empty(m, padded_k(k), dtype=torch.int16)
     scales = torch.empty(m, dtype=torch.float32)
-    lib.shmk_quantize_rows(_f32(x), m, k, _i8(xq), _f32(scales))
+    lib.shmk_quantize_rows(_f32(x), m, k, _i16(xq), _f32(scales))
     return xq, scales
 
 
-def gemm_s8_acc(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
-    """Exact int32 accumulators acc[m, n] = xq[:, :k] @ q^T (xq int8 [m, padded_k(k)])."""
-    _check(xq, "xq", torch.int8, 2)
+def group_dots(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    """Exact int32 group dot products dots[m, n, g] = xq[:, 32g:32g+32] @ q[:, 32g:32g+32]^T."""
+    _check(xq, "xq", torch.int16, 2)
     if xq.shape[1] != w.kp:
         raise ValueError(f"xq must have {w.kp} columns (padded k of {w.k}), got {xq.shape[1]}")
     m = xq.shape[0]
-    acc = torch.empty(m, w.n, dtype=torch.int32)
+    dots = torch.empty(m, w.n, w.groups, dtype=torch.int32)
     if m:
-        lib.shmk_gemm_s8_acc(_i8(xq), m, _i8(w.packed), _i32(w.sums), w.n, w.k, _i32(acc))
-    return acc
+        lib.shmk_gemm_group_dots(_i16(xq), m, w._c, _i32(dots))
+    return dots
 
 
 def linear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., n] = x[..., k] @ W^T (+ bias) via dynamic int8 quantisation of x; fp32 in and out."""
+    """y[..., n] = x[..., k] @ W^T (+ bias) via dynamic int16 quantisation of x; fp32 in and out."""
     if not isinstance(w, PackedLinear):
         raise TypeError(f"w must be a PackedLinear, got {type(w).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -261,8 +273,7 @@ def linear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) ->
         _check(out, "out", torch.float32, x.dim())
         _shape(out, "out", (*lead, w.n))
     if m:
-        c = w._c
-        lib.shmk_linear(_f32(x), m, w.k, c.packed, c.scales, c.sums, c.bias, w.n, _f32(out))
+        lib.shmk_linear(_f32(x), m, w._c, _f32(out))
     return out
 
 

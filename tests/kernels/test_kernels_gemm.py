@@ -1,4 +1,5 @@
-"""int8 packing, activation quantisation and GEMM against exact integer / numpy references."""
+"""W8 (group 32) x A16 packing, activation quantisation and GEMM against exact integer / numpy
+references; every dispatch path against the portable one."""
 
 import numpy as np
 import pytest
@@ -29,12 +30,12 @@ def _restore():
 
 
 def ref_quant(x: np.ndarray):
-    """numpy reference of the symmetric per-row quantisation (fp32 math, round half to even)."""
+    """numpy reference of the symmetric per-row int16 quantisation (fp32, round half to even)."""
     x = x.astype(np.float32)
     amax = np.abs(x).max(axis=1).astype(np.float32)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.clip(np.rint(x * inv[:, None]), -127, 127).astype(np.int8)
-    return q, (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(32767) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(x * inv[:, None]), -32767, 32767).astype(np.int16)
+    return q, (amax / np.float32(32767)).astype(np.float32)
 
 
 def rand_w(n, k, seed):
@@ -42,19 +43,39 @@ def rand_w(n, k, seed):
     w = torch.randn(n, k, generator=g) * 0.1
     if n > 2:
         w[1] = 0.0  # an all-zero channel: scale 0, q 0
+    if k > 40:
+        w[0, 32:64] *= 1e-3  # a small group keeps its own scale
     return w
+
+
+def ref_group_dots(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Exact int64 reference: dots[i, j, g] = sum over k in group g of xq[i, k] * q[j, k]."""
+    m, kp = xq.shape
+    n, k = q.shape
+    qp = torch.zeros(n, kp, dtype=torch.int64)
+    qp[:, :k] = q
+    return torch.einsum("igk,jgk->ijg", xq.long().view(m, -1, 32), qp.view(n, -1, 32))
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_pack_matches_reference(n, k):
     w = rand_w(n, k, n * 1000 + k)
     p = K.PackedLinear.from_float(w)
-    q_ref, s_ref = ref_quant(w.numpy())
-    np.testing.assert_array_equal(p.unpack_int8().numpy(), q_ref)
-    np.testing.assert_array_equal(p.scales[:n].numpy(), s_ref)
-    np.testing.assert_array_equal(p.sums[:n].numpy(), q_ref.astype(np.int64).sum(1))
-    assert p.scales.numel() % 16 == 0 and bool((p.scales[n:] == 0).all())
+    q, s = p.unpack()
+    G = K.padded_k(k) // 32
+    assert K.padded_k(k) % 32 == 0 and s.shape == (n, G)
     assert p.packed.numel() == -(-n // 16) * 16 * K.padded_k(k)
+    assert p.scales.numel() == -(-n // 16) * 16 * G
+    # every group scale is ~max|w| / 127 (fp16 rounding), and q = rint(w / s) in [-127, 127]
+    wp = torch.zeros(n, G * 32)
+    wp[:, :k] = w
+    amax = wp.view(n, G, 32).abs().amax(-1)
+    torch.testing.assert_close(s, amax / 127, rtol=1e-3, atol=0)
+    s_k = s.repeat_interleave(32, dim=1)[:, :k]
+    ref = torch.where(s_k > 0, torch.round(w / torch.where(s_k > 0, s_k, 1)), 0).clamp(-127, 127)
+    assert torch.equal(q.float(), ref)
+    assert bool((q.abs() <= 127).all()) and bool((s[1] == 0).all() if n > 2 else True)
+    torch.testing.assert_close(p.dequantized(), w, rtol=0, atol=float(amax.max()) / 127 * 0.51)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -66,45 +87,43 @@ def test_quantize_rows_exact(path, m, k):
         x[2] = 0.0
     xq, s = K.quantize_rows(x)
     q_ref, s_ref = ref_quant(x.numpy())
-    assert xq.shape == (m, K.padded_k(k))
+    assert xq.shape == (m, K.padded_k(k)) and xq.dtype == torch.int16
     np.testing.assert_array_equal(xq[:, :k].numpy(), q_ref)
     assert bool((xq[:, k:] == 0).all())
     np.testing.assert_array_equal(s.numpy(), s_ref)
 
 
-def _rand_q(shape, seed, extreme=False):
+def _rand_int(shape, lim, seed, extreme=False):
     g = torch.Generator().manual_seed(seed)
-    if extreme:  # saturation worst case of vpmaddubsw: |products| all 127*127
-        return (torch.randint(0, 2, shape, generator=g, dtype=torch.int8) * 254 - 127).to(
-            torch.int8
-        )
-    return torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    if extreme:  # largest products: every |value| at its limit
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.int64) * (2 * lim) - lim
+    return torch.randint(-lim, lim + 1, shape, generator=g, dtype=torch.int64)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("extreme", [False, True])
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 7), (33, 131), (960, 576), (50, 1536)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 70])
-def test_gemm_acc_exact_int64(path, extreme, n, k, m):
-    """Raw int32 accumulators equal an exact int64 reference bit for bit on every path."""
+def test_group_dots_exact_int64(path, extreme, n, k, m):
+    """Raw int32 group dot products equal an exact int64 reference on every path."""
     K.set_path(path)
-    # build the weight so that its int8 quantisation is exactly q (row max is +-127)
-    q = _rand_q((n, k), n + k, extreme)
-    q[:, 0] = 127
+    # build the weight so that its quantisation is exactly q: a +-127 in every group
+    q = _rand_int((n, k), 127, n + k, extreme)
+    q[:, ::32] = 127
     p = K.PackedLinear.from_float(q.float())
-    assert torch.equal(p.unpack_int8(), q)
-    xq = torch.zeros(m, K.padded_k(k), dtype=torch.int8)
-    xq[:, :k] = _rand_q((m, k), 7 * m + k, extreme)
-    acc = K.gemm_s8_acc(xq, p)
-    ref = xq[:, :k].long() @ q.long().T
-    assert torch.equal(acc.long(), ref)
+    assert torch.equal(p.unpack()[0].long(), q)
+    xq = torch.zeros(m, K.padded_k(k), dtype=torch.int16)
+    xq[:, :k] = _rand_int((m, k), 32767, 7 * m + k, extreme).to(torch.int16)
+    assert torch.equal(K.group_dots(xq, p).long(), ref_group_dots(xq, q))
 
 
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "portable"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
-    "m,n,k", [(1, 17, 7), (3, 960, 576), (9, 33, 131), (40, 50, 1536), (130, 3072, 64)]
-)
+    "m,n,k",
+    [(1, 17, 7), (2, 50, 100), (3, 960, 576), (9, 33, 131), (40, 50, 1536), (130, 3072, 64),
+     (1024, 40, 33)],
+)  # fmt: skip
 def test_linear_paths_match_portable(path, bias, m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=g)
@@ -119,21 +138,22 @@ def test_linear_paths_match_portable(path, bias, m, n, k):
 
 @pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 17, 5), (1024, 96, 200)])
 def test_linear_dequant_reference(m, n, k):
-    """y = float(acc) * (sx * sw) + bias, checked against float64 math on the exact accumulators."""
+    """y = sx * sum_g dot_g * s_g + bias, against float64 math on the exact group dots."""
     g = torch.Generator().manual_seed(m + n + k)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g)
     x = torch.randn(m, k, generator=g)
     p = K.PackedLinear.from_float(w, b)
     y = K.linear(x, p)
-    xq, sx = ref_quant(x.numpy())
-    acc = xq.astype(np.int64) @ p.unpack_int8().numpy().astype(np.int64).T
-    ref = acc * (sx[:, None].astype(np.float64) * p.scales[:n].numpy()[None, :]) + b.numpy()
-    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
-    # and close to the fp32 product (int8 error: a few % of the output scale)
+    xq, sx = K.quantize_rows(x)
+    q, s = p.unpack()
+    dots = ref_group_dots(xq, q).double()
+    ref = (dots * s.double()[None]).sum(-1) * sx.double()[:, None] + b.double()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # and close to the fp32 product (int8 group-32 weights, int16 activations)
     exact = x @ w.T + b
     err = (y - exact).abs().max() / (x @ w.T).abs().max()
-    assert err < 0.03
+    assert err < 0.01
 
 
 def test_linear_batched_leading_dims_and_out():
@@ -146,7 +166,7 @@ def test_linear_batched_leading_dims_and_out():
     assert K.linear(torch.empty(0, 24), p).shape == (0, 40)
 
 
-@pytest.mark.parametrize("m", [1, 8, 64, 300])
+@pytest.mark.parametrize("m", [1, 8, 64, 300, 1024])
 def test_threads_identical(m):
     g = torch.Generator().manual_seed(m)
     w, x = torch.randn(1000, 300, generator=g), torch.randn(m, 300, generator=g)
@@ -170,7 +190,7 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="shape"):
         K.linear(torch.randn(2, 16), p, out=torch.empty(2, 9))
     with pytest.raises(ValueError, match="columns"):
-        K.gemm_s8_acc(torch.zeros(2, 15, dtype=torch.int8), p)
+        K.group_dots(torch.zeros(2, 15, dtype=torch.int16), p)
     with pytest.raises(ValueError, match="unknown"):
         K.set_path("sse9")
     with pytest.raises(ValueError):

@@ -121,11 +121,6 @@ def smollm_int8(smollm):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="per-channel int8 weights x per-token int8 activations reach ~82% top-1 agreement and "
-    "+2.7% perplexity on SmolLM2; the accurate W8(group 32) x A16 GEMM is in progress",
-)
 def test_smollm2_teacher_forced_agreement_and_perplexity(smollm, smollm_ref, smollm_int8):
     ids = smollm.tokenizer.encode(TEXT)
     assert len(ids) > 150
@@ -145,11 +140,6 @@ def test_smollm2_teacher_forced_agreement_and_perplexity(smollm, smollm_ref, smo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="per-channel int8 weights x per-token int8 activations reach ~82% top-1 agreement and "
-    "+2.7% perplexity on SmolLM2; the accurate W8(group 32) x A16 GEMM is in progress",
-)
 def test_smollm2_greedy_continuations_are_identical(smollm, smollm_ref, smollm_int8):
     tok = smollm.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])

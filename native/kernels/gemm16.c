@@ -1,0 +1,579 @@
+/* W8 (group-32) x A16 (per-token) GEMM: the model's linear layers and LM head.
+ *
+ * Math (identical on every path, so results agree bit for bit across paths and thread counts):
+ *   weights, once at load, per output channel j and group g of 32 consecutive k:
+ *     s[j][g] = fp16(max|w| / 127 * 2^E) * 2^-E   (E per matrix: fp16 keeps the scales compact
+ *               without losing range; 2^-E is `scale_mult`, exact)
+ *     q[j][k] = rint(w[j][k] / s[j][g]) in [-127, 127]
+ *   activations, per call, per row i: sx[i] = max|x| / 32767, xq = rint(x * (32767 / max|x|))
+ *     in [-32767, 32767] (int16)
+ *   dot[i][j][g] = sum_{k in g} xq[i][k] * q[j][k]        exact int32 (|.| <= 32*32767*127)
+ *   acc = 0; for g in order: acc = fmaf((float)dot, fp16(s)[j][g], acc)
+ *   y[i][j] = acc * (sx[i] * scale_mult) (+ bias[j]) (+ y[i][j] when accumulating)
+ * rint is round-half-to-even (nearbyintf / cvtps2dq in the default MXCSR mode).
+ *
+ * Packed layout (K padded to kp = multiple of 32, N to a multiple of 16, zeros):
+ *   block b = channels 16b..16b+15; group g; pair p (k = 32g + 2p, +1):
+ *   32 bytes = 16 channels x 2 k, byte (c, t) = q[16b + c][32g + 2p + t].
+ *   A block is one contiguous stream of 512 bytes per group.  One vpmovsxbw widens a pair row to
+ *   a zmm of 16 int16 pairs for vpdpwssd against a broadcast activation pair (AVX512-VNNI); on
+ *   AVX2 each 16-byte half widens to a ymm for vpmaddwd (exact: no -32768 operands).
+ *   Scales: fp16 [nb][G][16], one vcvtph2ps per block and group. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define INLINE static inline __attribute__((always_inline))
+#define GK 32              /* k per scale group */
+#define NB 16              /* channels per block */
+#define GBYTES (GK * NB)   /* bytes of one block-group */
+#define PF_DIST 1024       /* software prefetch distance in a block stream (bytes) */
+
+/* ------------------------------------------------------------------ dispatch */
+static int g_path = -1;
+
+int shmk_best_path(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return SHMK_VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return SHMK_AVX2;
+    return SHMK_PORTABLE;
+}
+
+int shmk_path(void) {
+    if (g_path < 0) {
+        int best = shmk_best_path();
+        const char *env = getenv("SHMK_PATH");
+        g_path = best;
+        if (env) {
+            int want = !strcmp(env, "portable") ? SHMK_PORTABLE
+                       : !strcmp(env, "avx2")   ? SHMK_AVX2
+                       : !strcmp(env, "vnni")   ? SHMK_VNNI
+                                                : best;
+            if (want <= best) g_path = want;
+        }
+    }
+    return g_path;
+}
+
+int shmk_get_path(void) { return shmk_path(); }
+
+int shmk_set_path(int path) {
+    if (path < 0 || path > shmk_best_path()) return -1;
+    g_path = path;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ sizes */
+int64_t shmk_padded_k(int64_t k) { return shmk_cdiv(k, GK) * GK; }
+
+size_t shmk_packed_bytes(int64_t n, int64_t k) {
+    return (size_t)(shmk_cdiv(n, NB) * NB) * (size_t)shmk_padded_k(k);
+}
+
+size_t shmk_packed_scales(int64_t n, int64_t k) {
+    return (size_t)(shmk_cdiv(n, NB) * NB) * (size_t)(shmk_padded_k(k) / GK);
+}
+
+/* ------------------------------------------------------------------ fp16 (normal values only) */
+static uint16_t f2h(float f) { /* f >= 0; values below the fp16 normal range flush to 0 */
+    if (!(f > 0.f)) return 0;
+    int e;
+    float m = frexpf(f, &e); /* f = m 2^e, m in [0.5, 1) */
+    int E = e + 14;
+    if (E < 1) return 0;
+    uint32_t mi = (uint32_t)nearbyintf((2.f * m - 1.f) * 1024.f);
+    if (mi == 1024) mi = 0, E++;
+    if (E > 30) return 0x7bff;
+    return (uint16_t)((E << 10) | mi);
+}
+
+static float h2f(uint16_t h) { /* exact; only 0 and normals are ever stored */
+    if (!(h & 0x7fff)) return 0.f;
+    return ldexpf(1.f + (float)(h & 1023) / 1024.f, ((h >> 10) & 31) - 15);
+}
+
+/* ------------------------------------------------------------------ packing */
+static inline int8_t *wq_at(int8_t *p, int64_t G, int64_t j, int64_t kk) {
+    int64_t b = j / NB, c = j % NB, g = kk / GK, r = kk % GK;
+    return p + (b * G + g) * GBYTES + (r / 2) * (2 * NB) + c * 2 + (r & 1);
+}
+
+typedef struct {
+    const float *w;
+    int64_t n, k, G;
+    float emul; /* 2^E */
+    int8_t *packed;
+    uint16_t *scales;
+} pack_ctx;
+
+static void pack_task(void *vctx, int64_t blk, int tid) {
+    (void)tid;
+    const pack_ctx *c = vctx;
+    for (int64_t j = blk * NB; j < (blk + 1) * NB; j++) {
+        for (int64_t g = 0; g < c->G; g++) {
+            uint16_t *sp = c->scales + (blk * c->G + g) * NB + (j % NB);
+            int64_t k0 = g * GK;
+            float amax = 0.f;
+            if (j < c->n)
+                for (int64_t kk = k0; kk < k0 + GK && kk < c->k; kk++)
+                    amax = fmaxf(amax, fabsf(c->w[j * c->k + kk]));
+            uint16_t h = f2h(amax / 127.f * c->emul);
+            *sp = h;
+            float s = h2f(h) / c->emul;
+            for (int64_t kk = k0; kk < k0 + GK; kk++) {
+                int8_t q = 0;
+                if (j < c->n && kk < c->k && s > 0.f) {
+                    float r = nearbyintf(c->w[j * c->k + kk] / s);
+                    q = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+                }
+                *wq_at(c->packed, c->G, j, kk) = q;
+            }
+        }
+    }
+}
+
+float shmk_pack_weights(const float *w, int64_t n, int64_t k, int8_t *packed, uint16_t *scales) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < n * k; i++) amax = fmaxf(amax, fabsf(w[i]));
+    /* largest group scale lands in [2^14, 2^15): ~29 binades of fp16 normals below it */
+    int e = 0;
+    if (amax > 0.f) frexpf(amax / 127.f, &e); /* amax/127 in [2^(e-1), 2^e) */
+    int E = 15 - e;
+    pack_ctx c = {w, n, k, shmk_padded_k(k) / GK, ldexpf(1.f, E), packed, scales};
+    shmk_parallel(pack_task, &c, shmk_cdiv(n, NB));
+    return ldexpf(1.f, -E);
+}
+
+void shmk_unpack_weights(const int8_t *packed, const uint16_t *scales, float scale_mult, int64_t n,
+                         int64_t k, int8_t *q, float *gscales) {
+    int64_t G = shmk_padded_k(k) / GK;
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t kk = 0; kk < k; kk++) q[j * k + kk] = *wq_at((int8_t *)packed, G, j, kk);
+        for (int64_t g = 0; g < G; g++)
+            gscales[j * G + g] = h2f(scales[((j / NB) * G + g) * NB + j % NB]) * scale_mult;
+    }
+}
+
+/* ------------------------------------------------------------------ activation quantisation */
+static inline int16_t quant16(float v, float inv) {
+    float r = nearbyintf(v * inv);
+    if (r > 32767.f) r = 32767.f;
+    if (r < -32767.f) r = -32767.f;
+    return (int16_t)r;
+}
+
+static void quant_row_portable(const float *x, int64_t k, int64_t kp, int16_t *q, float *s) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int64_t i = 0; i < k; i++) q[i] = quant16(x[i], inv);
+    for (int64_t i = k; i < kp; i++) q[i] = 0;
+    *s = amax / 32767.f;
+}
+
+AVX2_FN static void quant_row_avx2(const float *x, int64_t k, int64_t kp, int16_t *q, float *s) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8)
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float amax = _mm_cvtss_f32(m4);
+    for (; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-32767), hi = _mm256_set1_epi32(32767);
+    for (i = 0; i + 16 <= k; i += 16) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vinv));
+        a = _mm256_min_epi32(_mm256_max_epi32(a, lo), hi);
+        b = _mm256_min_epi32(_mm256_max_epi32(b, lo), hi);
+        /* packs works per 128-bit lane: [a0-3 b0-3 a4-7 b4-7] -> qword order 0 2 1 3 */
+        __m256i ab = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + i), ab);
+    }
+    for (; i < k; i++) q[i] = quant16(x[i], inv);
+    for (; i < kp; i++) q[i] = 0;
+    *s = amax / 32767.f;
+}
+
+static void quant_row(int path, const float *x, int64_t k, int64_t kp, int16_t *q, float *s) {
+    if (path >= SHMK_AVX2)
+        quant_row_avx2(x, k, kp, q, s);
+    else
+        quant_row_portable(x, k, kp, q, s);
+}
+
+void shmk_quantize_rows(const float *x, int64_t m, int64_t k, int16_t *xq, float *scales) {
+    int path = shmk_path();
+    int64_t kp = shmk_padded_k(k);
+    for (int64_t i = 0; i < m; i++) quant_row(path, x + i * k, k, kp, xq + i * kp, scales + i);
+}
+
+/* ------------------------------------------------------------------ GEMM */
+typedef struct {
+    int path;
+    const int16_t *xq; /* [m][kp] */
+    const float *sx;   /* [m] */
+    int64_t m, k, kp, G, n, nb;
+    const int8_t *packed;
+    const uint16_t *scales;
+    float mult;
+    const float *bias;
+    float *y;          /* float mode */
+    int32_t *dots;     /* raw mode: [m][n][G] */
+    int accumulate;
+    int64_t units_per_task, m_per_task, mtasks, nunits;
+    /* quantisation stage */
+    const float *x;
+    int16_t *xq_w;
+    float *sx_w;
+    int64_t rows_per_qtask;
+} gemm_ctx;
+
+/* raw mode: scatter the 16 dots of (row i, block blk, group g) */
+static inline void store_dots(const gemm_ctx *c, int64_t i, int64_t blk, int64_t g,
+                              const int32_t *d) {
+    for (int64_t ch = 0; ch < NB && blk * NB + ch < c->n; ch++)
+        c->dots[(i * c->n + blk * NB + ch) * c->G + g] = d[ch];
+}
+
+/* scalar epilogue shared by the paths for one output element */
+static inline void store_one(const gemm_ctx *c, int64_t i, int64_t j, float acc) {
+    float v = acc * (c->sx[i] * c->mult);
+    if (c->bias) v = v + c->bias[j];
+    float *o = c->y + i * c->n + j;
+    *o = c->accumulate ? *o + v : v;
+}
+
+static void tile_portable(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
+    const int8_t *wb = c->packed + blk * c->G * GBYTES;
+    for (int64_t i = i0; i < i1; i++) {
+        const int16_t *x = c->xq + i * c->kp;
+        float acc[NB] = {0};
+        for (int64_t g = 0; g < c->G; g++) {
+            int32_t d[NB] = {0};
+            const int8_t *w = wb + g * GBYTES;
+            const int16_t *xg = x + g * GK;
+            for (int p = 0; p < GK / 2; p++)
+                for (int ch = 0; ch < NB; ch++)
+                    d[ch] += (int32_t)xg[2 * p] * w[p * 2 * NB + 2 * ch] +
+                             (int32_t)xg[2 * p + 1] * w[p * 2 * NB + 2 * ch + 1];
+            if (c->dots) {
+                store_dots(c, i, blk, g, d);
+                continue;
+            }
+            const uint16_t *s = c->scales + (blk * c->G + g) * NB;
+            for (int ch = 0; ch < NB; ch++) acc[ch] = fmaf((float)d[ch], h2f(s[ch]), acc[ch]);
+        }
+        if (c->dots) continue;
+        for (int64_t ch = 0; ch < NB && blk * NB + ch < c->n; ch++)
+            store_one(c, i, blk * NB + ch, acc[ch]);
+    }
+}
+
+/* --- AVX2: MR (<= 3) rows x 16 channels (two ymm halves); accumulators are named variables
+ * through the macro so they stay in registers. --- */
+#define AVX2_MR 3
+
+INLINE AVX2_FN void avx2_store(const gemm_ctx *c, int64_t blk, int64_t i, __m256 f0, __m256 f1) {
+    const int64_t j0 = blk * NB;
+    if (c->n - j0 < NB) {
+        float t[NB];
+        _mm256_storeu_ps(t, f0);
+        _mm256_storeu_ps(t + 8, f1);
+        for (int64_t ch = 0; ch < c->n - j0; ch++) store_one(c, i, j0 + ch, t[ch]);
+        return;
+    }
+    const __m256 s = _mm256_set1_ps(c->sx[i] * c->mult);
+    float *y = c->y + i * c->n + j0;
+    __m256 v0 = _mm256_mul_ps(f0, s), v1 = _mm256_mul_ps(f1, s);
+    if (c->bias) {
+        v0 = _mm256_add_ps(v0, _mm256_loadu_ps(c->bias + j0));
+        v1 = _mm256_add_ps(v1, _mm256_loadu_ps(c->bias + j0 + 8));
+    }
+    if (c->accumulate) {
+        v0 = _mm256_add_ps(_mm256_loadu_ps(y), v0);
+        v1 = _mm256_add_ps(_mm256_loadu_ps(y + 8), v1);
+    }
+    _mm256_storeu_ps(y, v0);
+    _mm256_storeu_ps(y + 8, v1);
+}
+
+INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr) {
+    const int8_t *wb = c->packed + blk * c->G * GBYTES;
+    const int64_t kp = c->kp;
+    const int16_t *x = c->xq + i0 * kp;
+    __m256 f[AVX2_MR][2];
+    for (int r = 0; r < mr; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < c->G; g++) {
+        const int8_t *w = wb + g * GBYTES;
+        __m256i d[AVX2_MR][2];
+        for (int r = 0; r < mr; r++) d[r][0] = d[r][1] = _mm256_setzero_si256();
+        if (mr == 1) _mm_prefetch((const char *)w + PF_DIST, _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int p = 0; p < GK / 2; p++) {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32)));
+            const __m256i w1 =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32 + 16)));
+            if (mr == 1 && (p & 1)) _mm_prefetch((const char *)w + p * 32 + PF_DIST, _MM_HINT_T0);
+            for (int r = 0; r < mr; r++) {
+                int32_t pv;
+                memcpy(&pv, x + r * kp + g * GK + 2 * p, 4);
+                const __m256i xb = _mm256_set1_epi32(pv);
+                d[r][0] = _mm256_add_epi32(d[r][0], _mm256_madd_epi16(xb, w0));
+                d[r][1] = _mm256_add_epi32(d[r][1], _mm256_madd_epi16(xb, w1));
+            }
+        }
+        if (c->dots) {
+            for (int r = 0; r < mr; r++) {
+                int32_t t[NB];
+                _mm256_storeu_si256((__m256i *)t, d[r][0]);
+                _mm256_storeu_si256((__m256i *)(t + 8), d[r][1]);
+                store_dots(c, i0 + r, blk, g, t);
+            }
+            continue;
+        }
+        const uint16_t *sp = c->scales + (blk * c->G + g) * NB;
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
+        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 8)));
+        for (int r = 0; r < mr; r++) {
+            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][0]), s0, f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][1]), s1, f[r][1]);
+        }
+    }
+    if (c->dots) return;
+    for (int r = 0; r < mr; r++) avx2_store(c, blk, i0 + r, f[r][0], f[r][1]);
+}
+
+AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + AVX2_MR <= i1; i += AVX2_MR) avx2_kernel(c, blk, i, AVX2_MR);
+    if (i1 - i == 2) avx2_kernel(c, blk, i, 2);
+    if (i1 - i == 1) avx2_kernel(c, blk, i, 1);
+}
+
+/* --- AVX512-VNNI: MR rows x NR blocks (16 channels each).  Rows <= 2 split each block's int
+ * accumulator by pair parity so that >= 4 vpdpwssd chains are in flight (latency); the int sums
+ * are exact, so the split changes nothing in the result. --- */
+#define VNNI_MR 4
+
+INLINE VNNI_FN void vnni_store(const gemm_ctx *c, int64_t blk, int64_t i, __m512 f) {
+    const int64_t j0 = blk * NB;
+    const int64_t ncols = c->n - j0 < NB ? c->n - j0 : NB;
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
+    __m512 v = _mm512_mul_ps(f, _mm512_set1_ps(c->sx[i] * c->mult));
+    if (c->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c->bias + j0));
+    float *y = c->y + i * c->n + j0;
+    if (c->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
+    _mm512_mask_storeu_ps(y, mask, v);
+}
+
+INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
+                                const int nr, const int raw) {
+    const int64_t G = c->G, kp = c->kp;
+    const int8_t *wb0 = c->packed + blk * G * GBYTES;
+    const int8_t *wb1 = wb0 + G * GBYTES;
+    const int16_t *x = c->xq + i0 * kp;
+    const int split = mr <= 2 ? 2 : 1;
+    __m512 f[VNNI_MR][2];
+    for (int r = 0; r < mr; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *w0 = wb0 + g * GBYTES, *w1 = wb1 + g * GBYTES;
+        const int16_t *xr[VNNI_MR];
+        for (int r = 0; r < mr; r++) xr[r] = x + r * kp + g * GK;
+        __m512i d[VNNI_MR][2][2];
+        for (int r = 0; r < mr; r++)
+            for (int b = 0; b < nr; b++)
+                for (int s = 0; s < split; s++) d[r][b][s] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int p = 0; p < GK / 2; p++) {
+            if (mr <= 2 && (p & 1)) {
+                _mm_prefetch((const char *)w0 + p * 32 + PF_DIST, _MM_HINT_T0);
+                if (nr == 2) _mm_prefetch((const char *)w1 + p * 32 + PF_DIST, _MM_HINT_T0);
+            }
+            const int s = split == 2 ? (p & 1) : 0;
+            const __m512i v0 =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + p * 32)));
+            __m512i v1 = v0;
+            if (nr == 2)
+                v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w1 + p * 32)));
+            for (int r = 0; r < mr; r++) {
+                int32_t pv;
+                memcpy(&pv, xr[r] + 2 * p, 4);
+                const __m512i xb = _mm512_set1_epi32(pv);
+                d[r][0][s] = _mm512_dpwssd_epi32(d[r][0][s], xb, v0);
+                if (nr == 2) d[r][1][s] = _mm512_dpwssd_epi32(d[r][1][s], xb, v1);
+            }
+        }
+        if (split == 2)
+            for (int r = 0; r < mr; r++)
+                for (int b = 0; b < nr; b++) d[r][b][0] = _mm512_add_epi32(d[r][b][0], d[r][b][1]);
+        if (raw) {
+            for (int r = 0; r < mr; r++)
+                for (int b = 0; b < nr; b++) {
+                    int32_t t[NB];
+                    _mm512_storeu_si512((void *)t, d[r][b][0]);
+                    store_dots(c, i0 + r, blk + b, g, t);
+                }
+            continue;
+        }
+        const __m512 s0 = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(c->scales + (blk * G + g) * NB)));
+        __m512 s1 = s0;
+        if (nr == 2)
+            s1 = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(c->scales + ((blk + 1) * G + g) * NB)));
+        for (int r = 0; r < mr; r++) {
+            f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][0][0]), s0, f[r][0]);
+            if (nr == 2) f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][1][0]), s1, f[r][1]);
+        }
+    }
+    if (raw) return;
+    for (int r = 0; r < mr; r++) {
+        vnni_store(c, blk, i0 + r, f[r][0]);
+        if (nr == 2) vnni_store(c, blk + 1, i0 + r, f[r][1]);
+    }
+}
+
+#define VNNI_ROWS(NR, RAW)                                                                 \
+    do {                                                                                   \
+        int64_t i = i0;                                                                    \
+        for (; i + VNNI_MR <= i1; i += VNNI_MR) vnni_kernel(c, blk, i, VNNI_MR, NR, RAW); \
+        switch (i1 - i) {                                                                  \
+        case 3: vnni_kernel(c, blk, i, 3, NR, RAW); break;                                \
+        case 2: vnni_kernel(c, blk, i, 2, NR, RAW); break;                                \
+        case 1: vnni_kernel(c, blk, i, 1, NR, RAW); break;                                \
+        default: break;                                                                    \
+        }                                                                                  \
+    } while (0)
+
+/* unit u = blocks 2u, 2u+1 (the last unit may hold one block) */
+VNNI_FN static void tile_vnni(const gemm_ctx *c, int64_t u, int64_t i0, int64_t i1) {
+    const int64_t blk = 2 * u;
+    const int two = blk + 1 < c->nb;
+    if (c->dots) {
+        if (two)
+            VNNI_ROWS(2, 1);
+        else
+            VNNI_ROWS(1, 1);
+    } else {
+        if (two)
+            VNNI_ROWS(2, 0);
+        else
+            VNNI_ROWS(1, 0);
+    }
+}
+
+static void gemm_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const gemm_ctx *c = vctx;
+    int64_t mt = task % c->mtasks, nt = task / c->mtasks;
+    int64_t u0 = nt * c->units_per_task, u1 = u0 + c->units_per_task;
+    int64_t i0 = mt * c->m_per_task, i1 = i0 + c->m_per_task;
+    if (u1 > c->nunits) u1 = c->nunits;
+    if (i1 > c->m) i1 = c->m;
+    for (int64_t u = u0; u < u1; u++) {
+        if (c->path == SHMK_VNNI) {
+            tile_vnni(c, u, i0, i1);
+            continue;
+        }
+        for (int64_t b = 2 * u; b < 2 * u + 2 && b < c->nb; b++) {
+            if (c->path == SHMK_AVX2)
+                tile_avx2(c, b, i0, i1);
+            else
+                tile_portable(c, b, i0, i1);
+        }
+    }
+}
+
+static void quant_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const gemm_ctx *c = vctx;
+    int64_t i0 = task * c->rows_per_qtask, i1 = i0 + c->rows_per_qtask;
+    if (i1 > c->m) i1 = c->m;
+    for (int64_t i = i0; i < i1; i++)
+        quant_row(c->path, c->x + i * c->k, c->k, c->kp, c->xq_w + i * c->kp, c->sx_w + i);
+}
+
+/* Work split.  Small M: N only (each thread streams its own weight range once).  Large M: tiles
+ * of up to 96 rows x a few 32-channel units; a unit's weights stay in L1/L2 across the rows. */
+static void plan_and_run(gemm_ctx *c) {
+    int nth = shmk_threads();
+    c->nb = shmk_cdiv(c->n, NB);
+    c->nunits = shmk_cdiv(c->nb, 2);
+    if (c->m <= 24) {
+        c->m_per_task = c->m;
+        c->mtasks = 1;
+    } else {
+        c->m_per_task = 96;
+        c->mtasks = shmk_cdiv(c->m, 96);
+    }
+    int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c->mtasks);
+    if (nchunks < 1) nchunks = 1;
+    c->units_per_task = shmk_cdiv(c->nunits, nchunks);
+    int64_t ntasks = shmk_cdiv(c->nunits, c->units_per_task) * c->mtasks;
+    shmk_parallel(gemm_task, c, ntasks);
+}
+
+static void prepare(gemm_ctx *c, const float *x, const int16_t *xq_given) {
+    int64_t m = c->m, kp = c->kp;
+    if (xq_given) {
+        c->xq = xq_given;
+        return;
+    }
+    c->x = x;
+    c->xq_w = shmk_scratch(0, (size_t)(m * kp) * sizeof(int16_t));
+    c->sx_w = shmk_scratch(1, (size_t)m * sizeof(float));
+    c->xq = c->xq_w;
+    c->sx = c->sx_w;
+    if (m <= 8) {
+        c->rows_per_qtask = m;
+        quant_task(c, 0, 0);
+    } else {
+        c->rows_per_qtask = shmk_cdiv(m, 4 * shmk_threads());
+        shmk_parallel(quant_task, c, shmk_cdiv(m, c->rows_per_qtask));
+    }
+}
+
+static void init_ctx(gemm_ctx *c, int64_t m, const shmk_linear_t *w) {
+    memset(c, 0, sizeof *c);
+    c->path = shmk_path();
+    c->m = m, c->k = w->k, c->kp = shmk_padded_k(w->k), c->G = c->kp / GK, c->n = w->n;
+    c->packed = w->packed, c->scales = w->scales, c->mult = w->scale_mult, c->bias = w->bias;
+}
+
+void shmk_gemm_group_dots(const int16_t *xq, int64_t m, const shmk_linear_t *w, int32_t *dots) {
+    if (m <= 0 || w->n <= 0) return;
+    gemm_ctx c;
+    init_ctx(&c, m, w);
+    c.dots = dots;
+    prepare(&c, NULL, xq);
+    plan_and_run(&c);
+}
+
+void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
+                      int accumulate) {
+    if (m <= 0 || w->n <= 0) return;
+    gemm_ctx c;
+    init_ctx(&c, m, w);
+    c.y = y;
+    c.accumulate = accumulate;
+    prepare(&c, x, NULL);
+    plan_and_run(&c);
+}
+
+void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y) {
+    shmk_linear_impl(w, x, m, y, 0);
+}
