@@ -157,7 +157,7 @@ class EngineCoreProc:
                 out = self.core.step_with_batch_queue()
             else:
                 out = self.core.step()
-            if out is not None:
+            if out is not None and out.request_ids:
                 self._route(out)
 
     def _process_input_queue(self) -> None:
