@@ -142,7 +142,18 @@ def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
     fast = _FAST.get(t.tensor_type)
     if fast is not None:
         raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))
-        return fast(raw).reshape(shape)
+        block_bytes = _BLOCK_BYTES.get(t.tensor_type)
+        if block_bytes is None:
+            return fast(raw).reshape(shape)
+        # NOTE: chunked into a preallocated output: dequantizing a whole quantized tensor at once
+        # holds ~3 fp32 temporaries of its size (340 MB for SmolLM2's embedding), which set the
+        # process's peak RSS.
+        nblocks = raw.numel() // block_bytes
+        out = torch.empty(nblocks * 32, dtype=torch.float32)
+        for start in range(0, nblocks, _CHUNK_BLOCKS):
+            end = min(nblocks, start + _CHUNK_BLOCKS)
+            out[start * 32 : end * 32] = fast(raw[start * block_bytes : end * block_bytes]).view(-1)
+        return out.reshape(shape)
     out = gguf_dequantize(np.asarray(t.data), t.tensor_type)
     return torch.from_numpy(np.array(out, dtype=np.float32, copy=True)).reshape(shape)
 
@@ -191,6 +202,14 @@ _FAST = {
     GGMLQuantizationType.Q4_0: _deq_q4_0,
     GGMLQuantizationType.Q4_1: _deq_q4_1,
 }
+
+
+_BLOCK_BYTES = {
+    GGMLQuantizationType.Q8_0: 34,
+    GGMLQuantizationType.Q4_0: 18,
+    GGMLQuantizationType.Q4_1: 20,
+}
+_CHUNK_BLOCKS = 1 << 15  # 1 Mi weights (4 MB of fp32) per chunk
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
