@@ -82,34 +82,13 @@ def ipc_cost_per_message(outputs) -> float:
 
 def runner_alone_tok_s(batch: int, context: int, steps: int) -> float:
     """Int8Llama decode on a fixed batch in this process: the ceiling for the engine."""
-    import torch
-
-    from shm_engine.model.batch import BatchInputs
+    from benchmarks.bench_model import decode_tok_s
     from shm_engine.model.int8_model import Int8Llama
-    from shm_engine.model.kv_cache import allocate_kv
     from shm_engine.model.loader import load_model
 
     loaded = load_model(None)
     model = Int8Llama(loaded.config, loaded.weights)
-    bs = 16
-    blocks_per = -(-(context + steps) // bs)
-    kv = allocate_kv(loaded.config, batch * blocks_per, bs)
-    seqs = [list(range(100, 100 + context)) for _ in range(batch)]
-    tables = [list(range(i * blocks_per, (i + 1) * blocks_per)) for i in range(batch)]
-    prefill = BatchInputs.build(
-        [(s, 0, context, t) for s, t in zip(seqs, tables, strict=True)], bs, [True] * batch
-    )
-    for s, tok in zip(seqs, model.forward(prefill, kv).argmax(-1).tolist(), strict=True):
-        s.append(tok)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        b = BatchInputs.build(
-            [(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables, strict=True)], bs, [True] * batch
-        )
-        logits = model.forward(b, kv)
-        for s, tok in zip(seqs, torch.argmax(logits, -1).tolist(), strict=True):
-            s.append(tok)
-    return batch * steps / (time.perf_counter() - t0)
+    return decode_tok_s(model, loaded.config, batch, steps, context)
 
 
 def main() -> int:

@@ -37,14 +37,14 @@ def prefill_tok_s(model, config, n_tokens: int, repeats: int) -> float:
     return n_tokens / sorted(times)[len(times) // 2]
 
 
-def decode_tok_s(model, config, batch_size: int, steps: int) -> float:
-    """Greedy decode of ``batch_size`` sequences, each with CONTEXT tokens already cached."""
-    per_seq = -(-(CONTEXT + steps + 1) // BLOCK)
+def decode_tok_s(model, config, batch_size: int, steps: int, context: int = CONTEXT) -> float:
+    """Greedy decode of ``batch_size`` sequences, each with ``context`` tokens already cached."""
+    per_seq = -(-(context + steps + 1) // BLOCK)
     kv = allocate_kv(config, batch_size * per_seq, BLOCK)
-    seqs = [list(range(100 + i, 100 + i + CONTEXT)) for i in range(batch_size)]
+    seqs = [list(range(100 + i, 100 + i + context)) for i in range(batch_size)]
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)]
     prefill = BatchInputs.build(
-        [(s, 0, CONTEXT, t) for s, t in zip(seqs, tables, strict=True)], BLOCK, [True] * batch_size
+        [(s, 0, context, t) for s, t in zip(seqs, tables, strict=True)], BLOCK, [True] * batch_size
     )
     for s, tok in zip(seqs, model.forward(prefill, kv).argmax(-1).tolist(), strict=True):
         s.append(tok)
