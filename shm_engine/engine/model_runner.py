@@ -48,10 +48,15 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids if loaded.tokenizer else ())
         self.eos_token_ids = self.eos_token_ids or loaded.config.eos_token_ids
-        self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
         self.block_size = config.block_size
         per_block = kv_bytes_per_block(self.model_config, self.block_size)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        # NOTE: never longer than the whole cache holds: a lone sequence that outgrew the cache
+        # would preempt itself and be readmitted forever.
+        self.max_model_len = min(
+            config.max_model_len or loaded.config.max_position_embeddings,
+            self.num_blocks * self.block_size,
+        )
         self.kv_caches = None
         self.allocate_kv_cache()
         from shm_engine.model.sampler import Sampler

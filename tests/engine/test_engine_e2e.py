@@ -344,3 +344,13 @@ def test_one_engine_serves_two_clients_on_their_own_rings(tokenizer):
         for x in listeners:
             x.close()
     assert shm_entries() <= before
+
+
+def test_a_sequence_cannot_outgrow_the_cache(tokenizer):
+    """With a tiny cache, the context is capped at the cache size: the request ends by length."""
+    with SyncMPClient(config(num_kv_blocks=4)) as c:  # 64 tokens in all
+        assert c.ready.max_model_len == 64
+        p = tokenizer.encode("Tell me a story")
+        c.add_request(request("long", p, max_tokens=500, ignore_eos=True))
+        tokens, reason, _ = collect(c, ["long"], timeout=120)["long"]
+        assert reason == "length" and len(p) + len(tokens) == 64
