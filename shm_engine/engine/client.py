@@ -162,11 +162,14 @@ class SyncMPClient:
     # ------------------------------------------------------------------ receiving
 
     def _receive_loop(self) -> None:
-        from shm_engine.ipc import IPCError
+        from shm_engine.ipc import IPCError, MalformedMessage
 
         try:
             while True:
                 for msg in self.channel.recv_all(timeout=None):
+                    if isinstance(msg, MalformedMessage):
+                        self._mark_dead(f"engine output could not be decoded: {msg.error}")
+                        return
                     if isinstance(msg, EngineDead):
                         self._mark_dead(f"engine reported a fatal error: {msg.message}")
                         return

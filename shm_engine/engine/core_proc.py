@@ -21,8 +21,6 @@ import threading
 import time
 import traceback
 
-import msgspec
-
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.core import EngineCore
 from shm_engine.engine.protocol import (
@@ -38,6 +36,7 @@ from shm_engine.engine.protocol import (
     UtilityCall,
     UtilityOutput,
 )
+from shm_engine.ipc import ChannelClosedError, MalformedMessage, PeerDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +100,6 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ IO threads
 
     def _input_loop(self, client: int) -> None:
-        from shm_engine.ipc import ChannelClosedError, PeerDeadError
-
         chan = self.channels[client]
         while not self._stop.is_set():
             try:
@@ -113,15 +110,17 @@ class EngineCoreProc:
                 logger.info("client %d went away; aborting its requests", client)
                 self.input_queue.put((client, _SHUTDOWN))
                 return
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                # A malformed frame: report it and keep serving this and other clients.
-                logger.warning("client %d sent a message that could not be decoded: %s", client, e)
-                self.input_queue.put((client, e))
-                continue
             for msg in msgs:
                 self._accept(client, msg)
 
     def _accept(self, client: int, msg) -> None:
+        if isinstance(msg, MalformedMessage):
+            # Report it and keep serving: the channel already kept the rest of the batch.
+            logger.warning(
+                "client %d sent a message that could not be decoded: %s", client, msg.error
+            )
+            self.output_queue.put((client, _error_output("", f"bad message: {msg.error}")))
+            return
         if isinstance(msg, EngineCoreRequest):
             try:
                 msg = self.core.preprocess(msg)
@@ -190,10 +189,6 @@ class EngineCoreProc:
             self.closed_clients.add(client)
             if len(self.closed_clients) == len(self.channels):
                 self._stop.set()
-        elif isinstance(msg, Exception):
-            self.output_queue.put(
-                (client, EngineCoreOutputs(errors=[RequestError("", f"bad message: {msg}")]))
-            )
         else:
             logger.error("unknown message type %s from client %d", type(msg).__name__, client)
 

@@ -8,6 +8,7 @@ from .codec import Decoder, Encoder
 from .errors import (
     ChannelClosedError,
     IPCError,
+    MalformedMessage,
     MessageTooLargeError,
     PeerDeadError,
     RingCorruptError,
@@ -22,6 +23,7 @@ __all__ = [
     "Decoder",
     "Encoder",
     "IPCError",
+    "MalformedMessage",
     "MessageTooLargeError",
     "PeerDeadError",
     "RingCorruptError",

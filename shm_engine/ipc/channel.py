@@ -17,9 +17,17 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import msgspec
+
 from .._ring_cffi import ffi, lib
 from .codec import Buffer, Decoder, Encoder
-from .errors import ChannelClosedError, IPCError, PeerDeadError, RingCorruptError
+from .errors import (
+    ChannelClosedError,
+    IPCError,
+    MalformedMessage,
+    PeerDeadError,
+    RingCorruptError,
+)
 
 DEFAULT_CAPACITY = 4 << 20
 DEFAULT_SPIN_US = 50.0
@@ -493,16 +501,24 @@ class Channel:
         lib.ring_release(self._rxr)
 
     def recv_all(self, timeout: float | None = None) -> list[Any]:
-        """Receive every message already available (blocking only for the first one)."""
+        """Receive every message already available (blocking only for the first one).
+
+        A message that does not decode comes back as a ``MalformedMessage`` in its place, so it
+        never costs the others of the batch (``recv`` raises the decode error instead).
+        """
         n = _readb(self._rxr, self._out, self._out_n, self._rx_base, self._slice(timeout), 1)
         if n & _BATCH_SIMPLE and self._zero_copy and n > 0:
             # Common case: single-frame messages only, offsets already relative to the mapping.
             vals = self._outmv[: 2 * (n & ~_BATCH_SIMPLE)].tolist()
             dec = self._decode_body
             mv = self._mv
-            return [
-                dec(mv[o : o + (lk & _M32)]) for o, lk in zip(vals[::2], vals[1::2], strict=True)
-            ]
+            bodies = [mv[o : o + (lk & _M32)] for o, lk in zip(vals[::2], vals[1::2], strict=True)]
+            try:
+                return [dec(b) for b in bodies]
+            except _DECODE_ERRORS:
+                # NOTE: the views are still valid (no receive since); decode one by one so a bad
+                # message costs only itself.
+                return [_decode_or_mark(dec, b) for b in bodies]
         if n > 0:
             # The offsets were shifted by the region base; shift them back for _collect.
             n &= ~_BATCH_SIMPLE
@@ -519,7 +535,11 @@ class Channel:
             return [self._decode(self._collect(n, timeout)[0])]
         mv = self._mv
         base = self._rx_base
-        decode = self._decode
+        dec = self._decode
+
+        def decode(frames: Sequence[Buffer]) -> Any:
+            return _decode_or_mark(dec, frames)
+
         out = []
         cur: list[Buffer] = []
         for i in range(0, 2 * n, 2):
@@ -570,6 +590,17 @@ class Channel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def _decode_or_mark(decode: Callable[[Any], Any], data: Any) -> Any:
+    """Decode one message of a batch; a malformed one becomes a MalformedMessage in its place."""
+    try:
+        return decode(data)
+    except _DECODE_ERRORS as e:
+        return MalformedMessage(str(e))
 
 
 def channel_pair(

@@ -1,5 +1,7 @@
 """Exceptions of the IPC layer.  Timeouts use the builtin ``TimeoutError``."""
 
+from dataclasses import dataclass
+
 
 class IPCError(Exception):
     """Base class of every transport failure, so callers can catch the whole family."""
@@ -19,3 +21,10 @@ class ChannelClosedError(IPCError):
 
 class MessageTooLargeError(IPCError):
     """Never raised by the ring (it fragments without limit); kept for API completeness."""
+
+
+@dataclass(frozen=True)
+class MalformedMessage:
+    """Stands in ``Channel.recv_all``'s result for a message that failed to decode."""
+
+    error: str

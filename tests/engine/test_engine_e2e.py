@@ -354,3 +354,37 @@ def test_a_sequence_cannot_outgrow_the_cache(tokenizer):
         c.add_request(request("long", p, max_tokens=500, ignore_eos=True))
         tokens, reason, _ = collect(c, ["long"], timeout=120)["long"]
         assert reason == "length" and len(p) + len(tokens) == 64
+
+
+def test_malformed_and_unknown_messages_are_reported_and_serving_goes_on(tokenizer):
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from shm_engine.engine.protocol import EngineHello, EngineMessage, EngineReady, EngineStartup
+    from shm_engine.ipc import ChannelListener
+
+    listener = ChannelListener()
+    proc = subprocess.Popen([sys.executable, "-m", "shm_engine.engine.core_proc", listener.address])
+    try:
+        chan = listener.accept(timeout=60, recv_type=EngineMessage | EngineHello | EngineReady)
+        assert isinstance(chan.recv(timeout=60), EngineHello)
+        chan.send(EngineStartup(config=config(num_kv_blocks=64)))
+        assert isinstance(chan.recv(timeout=120), EngineReady)
+        chan.send_bytes([b"\xc1 not msgpack"])  # malformed frame
+        chan.send_bytes([msgspec.msgpack.encode(["NoSuchRequestType", 1, 2])])  # unknown type
+        chan.send(request("ok", tokenizer.encode("Hello"), max_tokens=2))
+        errors, finished = [], False
+        while not finished:
+            out = chan.recv(timeout=60)
+            errors += [e.message for e in out.errors]
+            finished = "ok" in out.request_ids and bool(out.finished)
+        assert len(errors) == 2 and all("bad message" in m for m in errors)
+        chan.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        listener.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from shm_engine.ipc import Decoder, Encoder, channel_pair
+from shm_engine.ipc import Decoder, Encoder, MalformedMessage, channel_pair
 
 DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.float16,
           np.float32, np.float64, np.complex64]  # fmt: skip
@@ -135,3 +135,26 @@ def test_recv_all_mixes_single_and_multi_frame_messages(zero_copy: bool) -> None
     for m in msgs:
         a.send(m)
     assert [type(x) for x in b.recv_all(timeout=5)] == [type(m) for m in msgs]
+
+
+@pytest.mark.parametrize("multi_frame", [False, True])
+def test_a_malformed_message_costs_only_itself_in_a_batch(multi_frame: bool) -> None:
+    a, b = channel_pair(1 << 20, recv_type_b=Msg)
+    big = np.arange(3000, dtype=np.int64)  # an aux frame: the general (multi-frame) path
+    good = Req("r1", big if multi_frame else big[:4], Params(0.5, []), {})
+    a.send(Abort(["x"]))
+    a.send_bytes([b"\xc1 not msgpack"])
+    a.send_bytes([msgspec.msgpack.encode({"type": "nope"})])  # valid msgpack, not a Msg
+    a.send(good)
+    got = b.recv_all(timeout=5)
+    assert [type(m).__name__ for m in got] == [
+        "Abort",
+        "MalformedMessage",
+        "MalformedMessage",
+        "Req",
+    ]
+    assert isinstance(got[1], MalformedMessage) and "malformed" in got[1].error
+    np.testing.assert_array_equal(got[3].tokens, good.tokens)
+    a.send_bytes([b"\xc1"])
+    with pytest.raises(msgspec.DecodeError):
+        b.recv(timeout=5)  # a single receive raises instead
