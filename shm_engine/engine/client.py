@@ -135,6 +135,7 @@ class SyncMPClient:
                 raise EngineDeadError(f"bad handshake: {ready!r}")
         except BaseException as e:
             self._kill()
+            self.listener.close()
             if isinstance(e, EngineDeadError):
                 raise
             raise EngineDeadError(f"engine failed to start: {type(e).__name__}: {e}") from e
