@@ -80,7 +80,13 @@ class EngineCoreProc:
             # NOTE: before the model loads, so every thread created later (kernel pool, torch,
             # IO threads) inherits the mask.
             os.sched_setaffinity(0, self.config.cpu_ids)
-        self.core = EngineCore(self.config)
+        try:
+            self.core = EngineCore(self.config)
+        except BaseException as e:
+            # Tell the clients why, instead of leaving them to see only a dead peer.
+            for chan in self.channels:
+                chan.send(EngineDead(message=f"engine failed to start: {type(e).__name__}: {e}"))
+            raise
         self.core.before_update = self._apply_eager_aborts
         ready = self.core.ready_info()
         for chan in self.channels:

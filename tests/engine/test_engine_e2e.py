@@ -388,3 +388,12 @@ def test_malformed_and_unknown_messages_are_reported_and_serving_goes_on(tokeniz
             proc.kill()
             proc.wait()
         listener.close()
+
+
+def test_an_engine_that_cannot_start_says_why():
+    before = shm_entries()
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="does not exist"):
+        SyncMPClient(config(model="/nonexistent/model.gguf"))
+    assert time.monotonic() - t0 < 60
+    assert shm_entries() <= before
