@@ -641,26 +641,27 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Fas
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
         return error_response(400, "; ".join(parts) or "invalid request", "invalid_request_error")
 
-    @app.exception_handler(Exception)
-    async def _any_error(request: Request, e: Exception) -> Response:
+    def api_error_response(e: Exception) -> Response:
         err = _to_api_error(e)
         return error_response(err.status, err.message, err.type, err.param)
+
+    @app.exception_handler(Exception)
+    async def _any_error(request: Request, e: Exception) -> Response:
+        return api_error_response(e)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         try:
             return await server(raw).completions(req, raw)
-        except Exception as e:
-            err = _to_api_error(e)
-            return error_response(err.status, err.message, err.type, err.param)
+        except Exception as e:  # answered here: the generic handler would also log a traceback
+            return api_error_response(e)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         try:
             return await server(raw).chat(req, raw)
-        except Exception as e:
-            err = _to_api_error(e)
-            return error_response(err.status, err.message, err.type, err.param)
+        except Exception as e:  # answered here: the generic handler would also log a traceback
+            return api_error_response(e)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> dict[str, Any]:
