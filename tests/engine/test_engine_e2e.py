@@ -397,3 +397,32 @@ def test_an_engine_that_cannot_start_says_why():
         SyncMPClient(config(model="/nonexistent/model.gguf"))
     assert time.monotonic() - t0 < 60
     assert shm_entries() <= before
+
+
+def test_engine_exits_when_its_client_is_killed():
+    """A frontend killed with SIGKILL leaves no orphan engine and nothing in /dev/shm."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    before = shm_entries()
+    code = (
+        "import sys, time\n"
+        "from shm_engine.engine.client import SyncMPClient\n"
+        "from shm_engine.engine.config import EngineConfig\n"
+        f"c = SyncMPClient(EngineConfig(dtype={DTYPE!r}, num_kv_blocks=32))\n"
+        "print(c.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(client.stdout.readline())
+        engine = psutil.Process(engine_pid)
+        client.kill()
+        client.wait()
+        engine.wait(timeout=10)  # psutil raises TimeoutExpired if the engine lingers
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert shm_entries() <= before
