@@ -59,7 +59,6 @@ class _RequestState:
     detok: IncrementalDetokenizer
     completion: CompletionOutput
     max_stop_len: int
-    new_text: str = ""
 
 
 @dataclass
@@ -213,14 +212,14 @@ class OutputProcessor:
         comp = state.completion
         # Only text that could contain a stop string ending in the delta is searched.
         start = max(0, len(comp.text) - delta_len - state.max_stop_len + 1)
-        for stop in state.params.stop:
-            i = comp.text.find(stop, start)
-            if i >= 0:
-                end = i + len(stop) if state.params.include_stop_str_in_output else i
-                comp.text = comp.text[:end]
-                comp.stop_reason = stop
-                return True
-        return False
+        hits = [(i, stop) for stop in state.params.stop if (i := comp.text.find(stop, start)) >= 0]
+        if not hits:
+            return False
+        i, stop = min(hits)  # the earliest stop string in the text wins
+        end = i + len(stop) if state.params.include_stop_str_in_output else i
+        comp.text = comp.text[:end]
+        comp.stop_reason = stop
+        return True
 
     @staticmethod
     def _add_logprobs(comp: CompletionOutput, entries: list[Logprobs]) -> None:

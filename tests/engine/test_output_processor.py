@@ -1,0 +1,125 @@
+"""OutputProcessor: streaming text, stop strings, n > 1 fan-out and errors, fed synthetic outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from shm_engine.engine.output_processor import OutputProcessor
+from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, RequestError
+from shm_engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shm_engine.model.loader import load_model
+
+    return load_model(None).tokenizer
+
+
+def step(rows: dict[str, int], finished: dict[str, str] | None = None, **kw) -> EngineCoreOutputs:
+    ids = list(rows)
+    fin = {ids.index(r): reason for r, reason in (finished or {}).items()}
+    return EngineCoreOutputs(
+        request_ids=ids,
+        num_new_tokens=[1] * len(ids),
+        new_token_ids=list(rows.values()),
+        finished=fin,
+        **kw,
+    )
+
+
+def feed(proc: OutputProcessor, rid: str, token_ids: list[int], last_reason: str = "length"):
+    """Stream tokens one step at a time; returns (last RequestOutput, engine ids to abort)."""
+    aborts: list[str] = []
+    out = None
+    for i, t in enumerate(token_ids):
+        fin = {rid: last_reason} if i == len(token_ids) - 1 else None
+        results, ab = proc.process(step({rid: t}, fin))
+        aborts += ab
+        out = results[0] if results else out
+        if out is not None and out.finished:
+            break
+    return out, aborts
+
+
+def test_streamed_text_equals_full_decode(tokenizer):
+    text = "Héllo wörld! 你好, emoji 🎉 and code: def f(x): return x**2\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("a", "p", [1, 2], SamplingParams(max_tokens=len(ids)))
+    out, aborts = feed(proc, "a", ids)
+    assert out.finished and not aborts
+    assert out.outputs[0].text == tokenizer.decode(ids)
+    assert out.outputs[0].token_ids == ids
+    assert not proc.has_unfinished()
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_earliest_stop_string_wins_and_the_engine_request_is_aborted(tokenizer, include):
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False)
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(stop=["five", "three"], include_stop_str_in_output=include)
+    proc.add_request("a", None, [1], params)
+    out, aborts = feed(proc, "a", ids)
+    comp = out.outputs[0]
+    assert out.finished and comp.finish_reason == "stop" and comp.stop_reason == "three"
+    assert comp.text == ("one two three" if include else "one two ")
+    assert aborts == ["a"]
+    # A late token of the stopped request is ignored.
+    results, _ = proc.process(step({"a": ids[-1]}))
+    assert results == []
+
+
+def test_stop_string_across_token_boundaries(tokenizer):
+    ids = tokenizer.encode("abc<|stop|>def", add_special_tokens=False)
+    assert len(ids) > 3
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("a", None, [1], SamplingParams(stop=["<|stop|>"]))
+    out, aborts = feed(proc, "a", ids)
+    assert out.outputs[0].text == "abc" and aborts == ["a"]
+
+
+def test_n_completions_fan_out_with_derived_seeds_and_merge_back(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    children = proc.add_request("r", "p", [1], SamplingParams(n=3, seed=7, temperature=1.0))
+    assert [eid for eid, _ in children] == ["0_r", "1_r", "2_r"]
+    assert [p.seed for _, p in children] == [7, 8, 9] and all(p.n == 1 for _, p in children)
+    a, b = (
+        tokenizer.encode("A", add_special_tokens=False)[0],
+        tokenizer.encode("B", add_special_tokens=False)[0],
+    )
+    results, _ = proc.process(step({"0_r": a, "1_r": b, "2_r": a}, {"0_r": "length"}))
+    assert not results[0].finished
+    results, _ = proc.process(step({"1_r": a, "2_r": b}, {"1_r": "stop", "2_r": "length"}))
+    out = results[0]
+    assert out.finished and [c.text for c in out.outputs] == ["A", "BA", "AB"]
+    assert [c.finish_reason for c in out.outputs] == ["length", "stop", "length"]
+    with pytest.raises(ValueError, match="duplicate"):
+        proc.add_request("x", None, [1], SamplingParams())
+        proc.add_request("x", None, [1], SamplingParams())
+
+
+def test_engine_errors_finish_the_request_and_abort_its_siblings(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", None, [1], SamplingParams(n=2))
+    results, aborts = proc.process(
+        EngineCoreOutputs(errors=[RequestError("0_r", "prompt too long")])
+    )
+    assert results[0].finished and results[0].error == "prompt too long"
+    assert aborts == ["1_r"]
+    assert not proc.has_unfinished()
+
+
+def test_cached_tokens_logprobs_and_metrics(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", None, [1, 2, 3], SamplingParams(logprobs=1))
+    lp = Logprobs(token_ids=[42, 7], logprobs=[-0.5, -0.25], sampled_rank=2)
+    results, _ = proc.process(
+        step({"r": 42}, {"r": "length"}, num_cached_tokens={0: 16}, logprobs={0: [lp]})
+    )
+    out = results[0]
+    assert out.num_cached_tokens == 16
+    assert out.outputs[0].logprobs == [{42: -0.5, 7: -0.25}]
+    assert out.outputs[0].cumulative_logprob == -0.5
+    m = out.metrics
+    assert m.first_token_time is not None and m.finished_time >= m.arrival_time
