@@ -26,6 +26,8 @@ def build(name: str) -> pathlib.Path:
 
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or [p.stem.removeprefix("build_") for p in (ROOT / "native").glob("build_*.py")]
+    names = sys.argv[1:] or [
+        p.stem.removeprefix("build_") for p in (ROOT / "native").glob("build_*.py")
+    ]
     for n in names:
         print(build(n))

@@ -71,9 +71,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.pool.queries += req.num_tokens
-        self.pool.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Prefix-cache statistics, counted once per admission (a request that waits for free
+        blocks looks its prefix up again every step)."""
+        self.pool.queries += num_tokens
+        self.pool.hits += num_hit
 
     def allocate(self, req: Request, num_new_tokens: int, prefix: list[KVBlock] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones; False if full.
@@ -120,6 +124,3 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
-
-    def prefix_hit_rate(self) -> float:
-        return self.pool.hits / self.pool.queries if self.pool.queries else 0.0

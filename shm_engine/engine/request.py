@@ -54,7 +54,6 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "stop_reason",
-        "first_scheduled_time",
     )
 
     def __init__(
@@ -83,7 +82,6 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
-        self.first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

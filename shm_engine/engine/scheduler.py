@@ -183,10 +183,8 @@ class Scheduler:
             and len(self.waiting)
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting.peek()
-            prefix, num_cached = ([], 0)
-            if req.num_computed_tokens == 0:
-                prefix, num_cached = self.kv.find_cached_prefix(req)
+            req = self.waiting.peek()  # new or preempted: nothing of it is in the cache
+            prefix, num_cached = self.kv.find_cached_prefix(req)
             remaining = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
@@ -196,9 +194,9 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.pop()
+            self.kv.count_prefix_lookup(req.num_tokens, num_cached)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
-                req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = ScheduledChunk(req, num_cached, n, [])

@@ -110,6 +110,22 @@ def _holdback(params: SamplingParams) -> int:
     return max(len(s) for s in params.stop) - 1
 
 
+def _sse_chunk(
+    rid: str, obj: str, created: int, model: str, choices: list[dict], usage: dict | None
+) -> bytes:
+    """One SSE event of a streamed completion (OpenAI chunk shape)."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
 def _usage(prompts: list[_Prompt]) -> dict[str, Any]:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion = sum(
@@ -318,16 +334,7 @@ class OpenAIServer:
         want_lp = prompts[0].params.logprobs is not None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            body: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if usage is not None:
-                body["usage"] = usage
-            return b"data: " + _json.encode(body) + b"\n\n"
+            return _sse_chunk(rid, "text_completion", created, self.model_name, choices, usage)
 
         try:
             async for i, p, out in _merge([(i, p, self._run(p)) for i, p in enumerate(prompts)]):
@@ -427,16 +434,9 @@ class OpenAIServer:
         hold = _holdback(params)
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            body: dict[str, Any] = {
-                "id": p.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if usage is not None:
-                body["usage"] = usage
-            return b"data: " + _json.encode(body) + b"\n\n"
+            return _sse_chunk(
+                p.request_id, "chat.completion.chunk", created, self.model_name, choices, usage
+            )
 
         try:
             p.choices = [_Choice() for _ in range(params.n)]

@@ -23,7 +23,6 @@ class BatchInputs:
     seq_lens: torch.Tensor  # int32 [B]
     query_start_loc: torch.Tensor  # int32 [B + 1]
     logits_indices: torch.Tensor  # int64 [S]: rows of T whose logits are needed
-    max_query_len: int
 
     @property
     def num_tokens(self) -> int:
@@ -71,5 +70,4 @@ class BatchInputs:
             seq_lens=torch.from_numpy(seq_lens),
             query_start_loc=torch.from_numpy(qsl),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            max_query_len=max(n for _, _, n, _ in seqs),
         )
