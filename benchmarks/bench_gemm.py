@@ -83,6 +83,9 @@ def gemm_rows(
             with torch.no_grad():
                 for _ in range(windows):  # interleave the implementations
                     for i, f in fns.items():
+                        # NOTE: torch's libgomp workers spin for milliseconds after a parallel
+                        # op; a pause lets them park so no window starts on contended cores.
+                        time.sleep(0.02)
                         samples[i].append(_time(f, win))
             for i in fns:
                 s = statistics.median(samples[i])

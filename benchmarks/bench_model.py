@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.kv_cache import allocate_kv
 
@@ -25,7 +27,7 @@ CONTEXT = 128
 
 
 def prefill_tok_s(model, config, n_tokens: int, repeats: int) -> float:
-    kv = allocate_kv(config, -(-n_tokens // BLOCK), BLOCK)
+    kv = allocate_kv(config, -(-n_tokens // BLOCK), BLOCK, model.kv_dtype)
     tokens = list(range(100, 100 + n_tokens))
     batch = BatchInputs.build([(tokens, 0, n_tokens, list(range(len(kv[0][0]))))], BLOCK, [True])
     model.forward(batch, kv)  # warm-up: scratch buffers, page faults
@@ -40,7 +42,7 @@ def prefill_tok_s(model, config, n_tokens: int, repeats: int) -> float:
 def decode_tok_s(model, config, batch_size: int, steps: int, context: int = CONTEXT) -> float:
     """Greedy decode of ``batch_size`` sequences, each with ``context`` tokens already cached."""
     per_seq = -(-(context + steps + 1) // BLOCK)
-    kv = allocate_kv(config, batch_size * per_seq, BLOCK)
+    kv = allocate_kv(config, batch_size * per_seq, BLOCK, model.kv_dtype)
     seqs = [list(range(100 + i, 100 + i + context)) for i in range(batch_size)]
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)]
     prefill = BatchInputs.build(
@@ -101,7 +103,10 @@ def main() -> int:
     models = {"int8": Int8Llama(loaded.config, loaded.weights)}
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
+    threads = torch.get_num_threads()
     for name, model in models.items():
+        # as in the engine (ModelRunner): one torch thread beside the native pool for int8
+        torch.set_num_threads(1 if name == "int8" else threads)
         prefill = prefill_tok_s(model, loaded.config, 512, repeats)
         decode = {b: decode_tok_s(model, loaded.config, b, steps) for b in (1, 8, 16, 32)}
         key = "" if name == "int8" else "fp32_"

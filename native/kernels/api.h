@@ -54,14 +54,24 @@ void shmk_rope(float *q, float *k, const int64_t *pos, int64_t t, int64_t hq, in
 /* out[m][f] = silu(gu[m][f]) * gu[m][f + f_dim] */
 void shmk_silu_mul(const float *gu, int64_t m, int64_t f, float *out);
 
-/* ---- paged KV cache: k_cache, v_cache fp32 [num_blocks][block_size][hk][d] ---- */
-/* slot s -> (block s / block_size, offset s % block_size); slot < 0 is skipped. */
-void shmk_write_kv(const float *k, const float *v, const int64_t *slots, int64_t t, int64_t hk,
-                   int64_t d, float *k_cache, float *v_cache, int64_t num_slots);
-void shmk_paged_attention(const float *q, const float *k_cache, const float *v_cache,
-                          const int32_t *block_table, int64_t max_blocks, const int32_t *seq_lens,
-                          const int32_t *query_start_loc, int64_t b, int64_t hq, int64_t hk,
-                          int64_t d, int64_t block_size, float scale, float *out);
+/* ---- paged KV cache (attention.c) ----
+ * Per layer, k and v each [num_blocks][hk][block_size][d] (head-major inside a block), fp32 or
+ * IEEE fp16 (rounded to nearest even on write, widened exactly on read; math is fp32).
+ * slot s -> (block s / block_size, offset s % block_size); slots outside the cache are skipped. */
+typedef struct {
+    void *k, *v;
+    int64_t num_blocks, block_size, hk, d;
+    int dtype;                    /* 0 = fp32, 1 = fp16 */
+} shmk_kv_t;
+
+/* k, v [t][hk][d] fp32 -> the cache at slots (int64 [t]) */
+void shmk_write_kv(const float *k, const float *v, const int64_t *slots, int64_t t,
+                   const shmk_kv_t *kv);
+/* causal attention of q [t][hq][d] over the cache; see shmk_attention_impl in attention.c */
+void shmk_paged_attention(const float *q, const shmk_kv_t *kv, const int32_t *block_table,
+                          int64_t max_blocks, const int32_t *seq_lens,
+                          const int32_t *query_start_loc, int64_t b, int64_t hq, float scale,
+                          float *out);
 
 /* ---- one fused decoder layer ---- */
 typedef struct {
@@ -84,7 +94,6 @@ typedef struct {
     int64_t max_blocks;
     const int32_t *seq_lens;      /* [b] */
     const int32_t *query_start_loc; /* [b+1] */
-    int64_t block_size, num_slots;
     const float *cos_sin;         /* [max_pos][d] */
     int64_t max_pos;
     float scale;                  /* attention softmax scale */
@@ -99,6 +108,6 @@ typedef struct {
 /* hidden [t][hidden] is the residual stream, updated in place:
  *   h += o(attn(rope(qkv(rms(h))))) ; h += down(silu_mul(gate_up(rms(h)))) */
 void shmk_llama_layer_forward(const shmk_layer_t *layer, const shmk_step_t *step, float *hidden,
-                              float *k_cache, float *v_cache);
+                              const shmk_kv_t *kv);
 
 #endif

@@ -28,11 +28,12 @@ void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *
 
 void shmk_rope_qkv(float *qkv, const int64_t *pos, int64_t t, int64_t hq, int64_t hk, int64_t d,
                    const float *cos_sin, int64_t max_pos);
-void shmk_write_kv_qkv(const float *qkv, const int64_t *slots, int64_t t, int64_t hq, int64_t hk,
-                       int64_t d, float *k_cache, float *v_cache, int64_t num_slots);
-void shmk_attention_impl(const float *q, int64_t q_stride, const float *k_cache,
-                         const float *v_cache, const int32_t *block_table, int64_t max_blocks,
-                         const int32_t *seq_lens, const int32_t *qsl, int64_t b, int64_t hq,
-                         int64_t hk, int64_t d, int64_t block_size, float scale, float *out);
+/* k and v out of fused qkv rows [t][(hq + 2hk) d] */
+void shmk_write_kv_qkv(const float *qkv, const int64_t *slots, int64_t t, int64_t hq,
+                       const shmk_kv_t *kv);
+/* shmk_paged_attention with q rows q_stride floats apart (q inside fused qkv rows) */
+void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
+                         const int32_t *block_table, int64_t max_blocks, const int32_t *seq_lens,
+                         const int32_t *qsl, int64_t b, int64_t hq, float scale, float *out);
 
 #endif

@@ -6,17 +6,16 @@ static void lin(const shmk_linear_t *w, const float *x, int64_t t, float *y, int
 }
 
 void shmk_llama_layer_forward(const shmk_layer_t *L, const shmk_step_t *S, float *hidden,
-                              float *k_cache, float *v_cache) {
+                              const shmk_kv_t *kv) {
     const int64_t t = S->t, h = L->hidden, d = L->d;
     if (t <= 0) return;
     /* attention block */
     shmk_rmsnorm(hidden, NULL, L->input_norm, t, h, L->eps, S->normed);
     lin(&L->qkv, S->normed, t, S->qkv, 0);
     shmk_rope_qkv(S->qkv, S->positions, t, L->hq, L->hk, d, S->cos_sin, S->max_pos);
-    shmk_write_kv_qkv(S->qkv, S->slots, t, L->hq, L->hk, d, k_cache, v_cache, S->num_slots);
-    shmk_attention_impl(S->qkv, (L->hq + 2 * L->hk) * d, k_cache, v_cache, S->block_table,
-                        S->max_blocks, S->seq_lens, S->query_start_loc, S->b, L->hq, L->hk, d,
-                        S->block_size, S->scale, S->attn);
+    shmk_write_kv_qkv(S->qkv, S->slots, t, L->hq, kv);
+    shmk_attention_impl(S->qkv, (L->hq + 2 * L->hk) * d, kv, S->block_table, S->max_blocks,
+                        S->seq_lens, S->query_start_loc, S->b, L->hq, S->scale, S->attn);
     lin(&L->o, S->attn, t, hidden, 1); /* hidden += o_proj(attn) */
     /* MLP block */
     shmk_rmsnorm(hidden, NULL, L->post_norm, t, h, L->eps, S->normed);

@@ -19,8 +19,10 @@ thread counts agree bit for bit:
   ``vpmaddwd``), then ``acc = fma(float(dot), s_g, acc)`` over the groups in order;
 * ``y = acc * (sx * scale_mult) + bias``.
 
-KV cache layout (per layer): ``k_cache, v_cache: float32 [num_blocks, block_size, Hkv, D]``; token
-slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
+KV cache layout (per layer): ``k_cache, v_cache: [num_blocks, Hkv, block_size, D]``, float32 or
+float16 (``KV_DTYPES``; fp16 is rounded to nearest even on write and widened exactly on read, the
+attention math is fp32); token slot ``s`` lives in block ``s // block_size`` at offset
+``s % block_size`` of every head's slab.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shm_engine._kernels_cffi import ffi, lib
 
 __all__ = [
     "PATHS",
+    "KV_DTYPES",
     "LayerScratch",
     "LayerStep",
     "LlamaLayer",
@@ -373,14 +376,29 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 
 
 # --------------------------------------------------------------------------- paged KV / attention
+KV_DTYPES = {torch.float32: 0, torch.float16: 1}
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    _check(k_cache, "k_cache", torch.float32, 4)
-    _check(v_cache, "v_cache", torch.float32, 4)
-    if k_cache.shape != v_cache.shape:
+    """(num_blocks, Hkv, block_size, D) of a k/v cache pair, after checking both."""
+    _check(k_cache, "k_cache", tuple(KV_DTYPES), 4)
+    _check(v_cache, "v_cache", tuple(KV_DTYPES), 4)
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
-            f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}"
+            f"k_cache and v_cache differ: {tuple(k_cache.shape)} {k_cache.dtype} vs "
+            f"{tuple(v_cache.shape)} {v_cache.dtype}"
         )
     return tuple(k_cache.shape)
+
+
+def _kv_struct(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The C view (shmk_kv_t) of a checked cache pair; keep the tensors alive while it is used."""
+    nb, hk, bs, d = k_cache.shape
+    kv = ffi.new("shmk_kv_t *")
+    kv.k, kv.v = ffi.cast("void *", k_cache.data_ptr()), ffi.cast("void *", v_cache.data_ptr())
+    kv.num_blocks, kv.block_size, kv.hk, kv.d = nb, bs, hk, d
+    kv.dtype = KV_DTYPES[k_cache.dtype]
+    return kv
 
 
 def write_kv(
@@ -390,8 +408,8 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> None:
-    """k_cache.view(-1, hk, d)[slot_mapping[i]] = k[i] (same for v); negative slots are skipped."""
-    nb, bs, hk, d = _check_cache(k_cache, v_cache)
+    """Token i's k[i] [Hkv, D] goes to slot slot_mapping[i] (same for v); negative slots skipped."""
+    nb, hk, bs, d = _check_cache(k_cache, v_cache)
     _check(k, "k", torch.float32, 3)
     _check(v, "v", torch.float32, 3)
     t = k.shape[0]
@@ -401,9 +419,7 @@ def write_kv(
     _shape(slots, "slot_mapping", (t,))
     if t and int(slots.max()) >= nb * bs:
         raise ValueError(f"slot_mapping has a slot >= num_blocks * block_size = {nb * bs}")
-    lib.shmk_write_kv(
-        _f32(k), _f32(v), _i64(slots), t, hk, d, _f32(k_cache), _f32(v_cache), nb * bs
-    )
+    lib.shmk_write_kv(_f32(k), _f32(v), _i64(slots), t, _kv_struct(k_cache, v_cache))
 
 
 def _check_batch(block_table, seq_lens, query_start_loc, t: int, num_blocks: int, bs: int):
@@ -452,7 +468,7 @@ def paged_attention(
     int32 maps position p to cache block block_table[b, p // block_size].  GQA: hq % hk == 0,
     q head h reads kv head h // (hq // hk).  Returns out [t, hq, d] fp32.
     """
-    nb, bs, hk, d = _check_cache(k_cache, v_cache)
+    nb, hk, bs, d = _check_cache(k_cache, v_cache)
     _check(q, "q", torch.float32, 3)
     t, hq, dq = q.shape
     if dq != d:
@@ -470,8 +486,8 @@ def paged_attention(
     b = sl.shape[0]
     if t and b:
         lib.shmk_paged_attention(
-            _f32(q), _f32(k_cache), _f32(v_cache), _i32(bt), bt.shape[1], _i32(sl), _i32(qsl),
-            b, hq, hk, d, bs, float(scale), _f32(out),
+            _f32(q), _kv_struct(k_cache, v_cache), _i32(bt), bt.shape[1], _i32(sl), _i32(qsl),
+            b, hq, float(scale), _f32(out),
         )  # fmt: skip
     return out
 
@@ -596,7 +612,6 @@ class LayerStep:
         c.positions, c.slots = _i64(pos), _i64(slots)
         c.block_table, c.max_blocks = _i32(bt), bt.shape[1]
         c.seq_lens, c.query_start_loc = _i32(sl), _i32(qsl)
-        c.block_size, c.num_slots = self.block_size, self.num_blocks * self.block_size
         c.cos_sin, c.max_pos = _f32(cos_sin), cos_sin.shape[0]
         c.scale = float(scale)
         c.normed, c.qkv, c.attn = _f32(scratch.normed), _f32(scratch.qkv), _f32(scratch.attn)
@@ -620,10 +635,9 @@ def llama_layer_forward(
         raise ValueError("hidden must be a contiguous float32 tensor")
     if tuple(hidden.shape) != (step.t, layer.hidden):
         raise ValueError(f"hidden must be [{step.t}, {layer.hidden}], got {tuple(hidden.shape)}")
-    shape = (step.num_blocks, step.block_size, layer.num_kv_heads, layer.head_dim)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != torch.float32 or not c.is_contiguous() or tuple(c.shape) != shape:
-            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}")
+    shape = (step.num_blocks, layer.num_kv_heads, step.block_size, layer.head_dim)
+    if _check_cache(k_cache, v_cache) != shape:
+        raise ValueError(f"k_cache / v_cache must have shape {shape}, got {tuple(k_cache.shape)}")
     if step.scratch.dims != (
         layer.hidden,
         layer.num_heads,
@@ -632,4 +646,4 @@ def llama_layer_forward(
         layer.ffn,
     ):
         raise ValueError("step scratch was sized for a different layer shape")
-    lib.shmk_llama_layer_forward(layer._c, step._c, _f32(hidden), _f32(k_cache), _f32(v_cache))
+    lib.shmk_llama_layer_forward(layer._c, step._c, _f32(hidden), _kv_struct(k_cache, v_cache))

@@ -28,6 +28,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class TorchLlama:
+    kv_dtype = torch.float32
+
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
         self.config = config
         self.w = {k: v.float().contiguous() for k, v in weights.items()}
@@ -66,22 +68,26 @@ class TorchLlama:
 
     @staticmethod
     def _write_kv(k, v, slots, k_cache, v_cache) -> None:
-        nb, bs = k_cache.shape[:2]
-        k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = k
-        v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = v
+        # cache [num_blocks, Hkv, block_size, D]: slot s is block s // bs, offset s % bs
+        bs = k_cache.shape[2]
+        blocks, offsets = slots // bs, slots % bs
+        k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
     def _attention(self, q, k_cache, v_cache, batch: BatchInputs) -> torch.Tensor:
         c = self.config
         group = c.num_heads // c.num_kv_heads
-        bs = k_cache.shape[1]
+        bs = k_cache.shape[2]
         out = torch.empty_like(q)
         qsl = batch.query_start_loc.tolist()
         for b, seq_len in enumerate(batch.seq_lens.tolist()):
             s, e = qsl[b], qsl[b + 1]
             n_blocks = -(-seq_len // bs)
             blocks = batch.block_table[b, :n_blocks].long()
-            keys = k_cache[blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:seq_len]
-            vals = v_cache[blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:seq_len]
+            # [n_blocks, Hkv, bs, D] -> [positions, Hkv, D]
+            keys = k_cache[blocks].transpose(1, 2).reshape(-1, c.num_kv_heads, c.head_dim)
+            vals = v_cache[blocks].transpose(1, 2).reshape(-1, c.num_kv_heads, c.head_dim)
+            keys, vals = keys[:seq_len].to(q.dtype), vals[:seq_len].to(q.dtype)
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
             vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
             qb = q[s:e].transpose(0, 1)  # [H, n, D]

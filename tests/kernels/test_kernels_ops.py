@@ -82,28 +82,39 @@ def test_silu_mul(path, m, f):
     torch.testing.assert_close(K.silu_mul(gu), ref, rtol=2e-6, atol=1e-6)
 
 
-def test_write_kv_slots():
-    nb, bs, hk, d = 5, 4, 3, 8
-    kc, vc = torch.zeros(nb, bs, hk, d), torch.zeros(nb, bs, hk, d)
+KV_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_write_kv_slots(path, dtype):
+    K.set_path(path)
+    nb, bs, hk, d = 5, 4, 3, 24
+    kc, vc = torch.zeros(nb, hk, bs, d, dtype=dtype), torch.zeros(nb, hk, bs, d, dtype=dtype)
     k, v = torch.randn(4, hk, d), torch.randn(4, hk, d)
+    # fp16 edge cases: subnormals, ties, the largest finite value, overflow to inf, -0
+    k[0, 0, :8] = torch.tensor([1e-6, 3e-8, 6.1e-5, 1 + 2**-11, 65504.0, 65520.0, -0.0, 1e-9])
     slots = torch.tensor([7, 0, -1, 19])
     K.write_kv(k, v, slots, kc, vc)
-    kf, vf = kc.view(-1, hk, d), vc.view(-1, hk, d)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
-            assert torch.equal(kf[s], k[i]) and torch.equal(vf[s], v[i])
-    assert int((kf.abs().sum((1, 2)) > 0).sum()) == 3
+            # torch's float -> half conversion rounds to nearest even, like the kernel's
+            assert torch.equal(kc[s // bs, :, s % bs], k[i].to(dtype))
+            assert torch.equal(vc[s // bs, :, s % bs], v[i].to(dtype))
+    assert int((kc.abs().float().sum(-1) > 0).sum()) == 3 * hk
     with pytest.raises(ValueError, match="slot"):
         K.write_kv(k, v, torch.tensor([0, 1, 2, 20]), kc, vc)
 
 
-def make_batch(seqs, hq, hk, d, bs, seed):
-    """seqs: list of (seq_len, q_len).  Returns q, caches, metadata and per-seq full k/v."""
+def make_batch(seqs, hq, hk, d, bs, seed, dtype=torch.float32):
+    """seqs: list of (seq_len, q_len).  Returns q, caches, metadata and per-seq full k/v (as the
+    cache holds them: rounded to ``dtype``, returned in fp32)."""
     g = gen(seed)
     max_blocks = max(-(-s // bs) for s, _ in seqs)
     nblocks = sum(-(-s // bs) for s, _ in seqs) + 3
     perm = torch.randperm(nblocks, generator=g).to(torch.int32)
-    kc, vc = torch.zeros(nblocks, bs, hk, d), torch.zeros(nblocks, bs, hk, d)
+    kc = torch.zeros(nblocks, hk, bs, d, dtype=dtype)
+    vc = torch.zeros(nblocks, hk, bs, d, dtype=dtype)
     bt = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
     qs, ks, vs, qsl, used = [], [], [], [0], 0
     for b, (s, ql) in enumerate(seqs):
@@ -113,8 +124,8 @@ def make_batch(seqs, hq, hk, d, bs, seed):
         kf, vf = torch.randn(s, hk, d, generator=g), torch.randn(s, hk, d, generator=g)
         slots = (bt[b, torch.arange(s) // bs].long() * bs + torch.arange(s) % bs).long()
         K.write_kv(kf, vf, slots, kc, vc)
-        ks.append(kf)
-        vs.append(vf)
+        ks.append(kf.to(dtype).float())
+        vs.append(vf.to(dtype).float())
         qs.append(torch.randn(ql, hq, d, generator=g))
         qsl.append(qsl[-1] + ql)
     meta = dict(
@@ -145,6 +156,7 @@ MIXED = [(37, 1), (20, 20), (50, 13), (1, 1), (130, 1), (70, 33)]  # decode, pre
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize(
     "seqs,hq,hk,d,bs",
     [
@@ -155,17 +167,18 @@ MIXED = [(37, 1), (20, 20), (50, 13), (1, 1), (130, 1), (70, 33)]  # decode, pre
         ([(40, 7), (9, 9)], 2, 1, 24, 8),
     ],
 )
-def test_paged_attention_vs_sdpa(path, seqs, hq, hk, d, bs):
+def test_paged_attention_vs_sdpa(path, dtype, seqs, hq, hk, d, bs):
     K.set_path(path)
-    q, kc, vc, meta, ks, vs = make_batch(seqs, hq, hk, d, bs, seed=hq * d + len(seqs))
+    q, kc, vc, meta, ks, vs = make_batch(seqs, hq, hk, d, bs, seed=hq * d + len(seqs), dtype=dtype)
     scale = 1 / math.sqrt(d)
     out = K.paged_attention(q, kc, vc, scale=scale, **meta)
     ref = ref_attention(q, ks, vs, seqs, hq, hk, scale)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_attention_threads_identical_and_paths_close():
-    q, kc, vc, meta, ks, vs = make_batch(MIXED, 9, 3, 64, 16, seed=3)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_attention_threads_identical_and_paths_close(dtype):
+    q, kc, vc, meta, ks, vs = make_batch(MIXED, 9, 3, 64, 16, seed=3, dtype=dtype)
     K.set_num_threads(1)
     o1 = K.paged_attention(q, kc, vc, scale=0.125, **meta)
     K.set_num_threads(2)
@@ -235,12 +248,12 @@ def primitive_layer(layer, hidden, kc, vc, pos, slots, meta, cs, scale):
     return hidden + K.linear(K.silu_mul(K.linear(x, layer.gate_up)), layer.down)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_layer_matches_primitives(bias):
+@pytest.mark.parametrize("bias,dtype", [(False, torch.float32), (True, torch.float16)])
+def test_fused_layer_matches_primitives(bias, dtype):
     layer = make_layer(5, bias=bias)
     hq, hk, d, bs = 4, 2, 16, 8
     seqs = [(21, 1), (12, 12), (30, 9)]  # decode, prefill, prefill with a cached prefix
-    _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=11)
+    _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=11, dtype=dtype)
     t = sum(ql for _, ql in seqs)
     pos = torch.cat([torch.arange(s - ql, s) for s, ql in seqs])
     slots = torch.cat(

@@ -40,7 +40,7 @@ def paged_logits(
     """Run each sequence through the paged model in the given chunk sizes (all sequences in the
     same steps, so steps mix prefill and decode); returns per-sequence logits for every token."""
     n_blocks = sum(-(-len(s) // BLOCK) for s in seqs)
-    kv = allocate_kv(config, n_blocks + 1, BLOCK)
+    kv = allocate_kv(config, n_blocks + 1, BLOCK, model.kv_dtype)
     tables, nxt = [], 0
     for s in seqs:
         nb = -(-len(s) // BLOCK)
@@ -151,7 +151,7 @@ def test_smollm2_greedy_continuations_are_identical(smollm, smollm_ref, smollm_i
     for ids in prompts:
         want = smollm_ref.generate_greedy(ids, 16)
         seq = list(ids)
-        kv = allocate_kv(smollm.config, 8, BLOCK)
+        kv = allocate_kv(smollm.config, 8, BLOCK, smollm_int8.kv_dtype)
         table = list(range(8))
         start = 0
         for _ in range(16):

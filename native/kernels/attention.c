@@ -1,0 +1,418 @@
+/* The paged KV cache and causal attention over it, for mixed prefill / decode batches.
+ *
+ * Cache, per layer: k and v each [num_blocks][hk][block_size][d], fp32 or IEEE fp16.
+ * Head-major inside a block: one (block, kv head) is a contiguous block_size x d slab, so a task
+ * (one sequence, one kv head) streams contiguous memory that the hardware prefetcher follows.
+ * fp16 halves the bytes batched decode reads (at a few hundred tokens of context it is bound by
+ * reading the cache); values are rounded to nearest even once, on write (F16C, or the portable
+ * conversion, bit-identical), and widened exactly on read; all arithmetic stays fp32. */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "avx2_math.h"
+#include "common.h"
+
+/* ------------------------------------------------------------------ fp16 <-> fp32 (portable)
+ * Bit-identical to vcvtps2ph (round to nearest even) and vcvtph2ps for finite values,
+ * subnormals included (F. Giesen's float_to_half_fast3_rtne). */
+static uint16_t f32_to_f16(float value) {
+    const uint32_t f16_max = (127u + 16u) << 23, f32_inf = 255u << 23;
+    const uint32_t denorm_magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    uint32_t f;
+    memcpy(&f, &value, 4);
+    const uint32_t sign = f & 0x80000000u;
+    f ^= sign;
+    uint16_t h;
+    if (f >= f16_max) {
+        h = f > f32_inf ? 0x7e00 : 0x7c00; /* NaN -> quiet NaN; overflow -> inf */
+    } else if (f < (113u << 23)) {         /* below the fp16 normal range: the FPU rounds */
+        float x, magic;
+        memcpy(&x, &f, 4);
+        memcpy(&magic, &denorm_magic, 4);
+        x += magic;
+        uint32_t r;
+        memcpy(&r, &x, 4);
+        h = (uint16_t)(r - denorm_magic);
+    } else {
+        const uint32_t mant_odd = (f >> 13) & 1u;
+        f += ((uint32_t)(15 - 127) << 23) + 0xfffu; /* rebias; round half up... */
+        f += mant_odd;                             /* ...or to even on an exact tie */
+        h = (uint16_t)(f >> 13);
+    }
+    return h | (uint16_t)(sign >> 16);
+}
+
+static float f16_to_f32(uint16_t h) {
+    const uint32_t e = (h >> 10) & 31u, m = h & 1023u;
+    float f;
+    if (e == 31) {
+        uint32_t bits = ((uint32_t)(h & 0x8000) << 16) | 0x7f800000u | (m << 13);
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    f = e ? ldexpf((float)(m | 1024u), (int)e - 25) : ldexpf((float)m, -24);
+    return (h & 0x8000) ? -f : f;
+}
+
+/* ------------------------------------------------------------------ cache addressing */
+static inline size_t kv_esize(const shmk_kv_t *kv) { return kv->dtype == 1 ? 2 : 4; }
+
+/* element offset of position `off` of kv head `h` in cache block `blk` */
+static inline size_t kv_offset(const shmk_kv_t *kv, int64_t blk, int64_t h, int64_t off) {
+    return (size_t)(((blk * kv->hk + h) * kv->block_size + off) * kv->d);
+}
+
+/* ------------------------------------------------------------------ writes */
+AVX2_FN static void put_f16_avx2(uint16_t *dst, const float *src, int64_t d) {
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < d; i++) dst[i] = f32_to_f16(src[i]);
+}
+
+static void put_row(const shmk_kv_t *kv, void *cache, size_t off, const float *src, int avx2) {
+    const int64_t d = kv->d;
+    if (kv->dtype == 0) {
+        memcpy((float *)cache + off, src, (size_t)d * sizeof(float));
+    } else if (avx2) {
+        put_f16_avx2((uint16_t *)cache + off, src, d);
+    } else {
+        uint16_t *dst = (uint16_t *)cache + off;
+        for (int64_t i = 0; i < d; i++) dst[i] = f32_to_f16(src[i]);
+    }
+}
+
+/* token i's kv head h is at k + i * stride + h * d (same for v); slots outside the cache are
+ * skipped (the callers validate them; this keeps a bad slot from writing out of bounds). */
+static void write_rows(const float *k, const float *v, int64_t stride, const int64_t *slots,
+                       int64_t t, const shmk_kv_t *kv) {
+    const int avx2 = shmk_path() >= SHMK_AVX2;
+    const int64_t nslots = kv->num_blocks * kv->block_size;
+    for (int64_t i = 0; i < t; i++) {
+        const int64_t s = slots[i];
+        if (s < 0 || s >= nslots) continue;
+        for (int64_t h = 0; h < kv->hk; h++) {
+            const size_t off = kv_offset(kv, s / kv->block_size, h, s % kv->block_size);
+            put_row(kv, kv->k, off, k + i * stride + h * kv->d, avx2);
+            put_row(kv, kv->v, off, v + i * stride + h * kv->d, avx2);
+        }
+    }
+}
+
+void shmk_write_kv(const float *k, const float *v, const int64_t *slots, int64_t t,
+                   const shmk_kv_t *kv) {
+    write_rows(k, v, kv->hk * kv->d, slots, t, kv);
+}
+
+void shmk_write_kv_qkv(const float *qkv, const int64_t *slots, int64_t t, int64_t hq,
+                       const shmk_kv_t *kv) {
+    const int64_t d = kv->d;
+    write_rows(qkv + hq * d, qkv + (hq + kv->hk) * d, (hq + 2 * kv->hk) * d, slots, t, kv);
+}
+
+/* ------------------------------------------------------------------ attention
+ * Sequence b owns query rows [qsl[b], qsl[b+1]) and kv positions [0, seq_lens[b]); its query
+ * token i sits at position seq_lens[b] - q_len + i and attends to kv positions 0..pos.
+ * A task is (sequence, kv head, tile of query tokens): the G = hq / hk query heads of the group
+ * share every K/V row it loads.  Online softmax over chunks of 16 kv positions, fp32. */
+#define ATT_CHUNK 16
+#define ATT_QTILE 16
+
+typedef struct {
+    int32_t b, hk, t0, t1;
+} att_task;
+
+typedef struct {
+    const float *q;
+    int64_t q_stride; /* floats between query rows (q may sit inside fused qkv rows) */
+    const shmk_kv_t *kv;
+    const int32_t *bt, *seq_lens, *qsl;
+    int64_t max_blocks, hq;
+    float scale;
+    float *out;
+    const att_task *tasks;
+    int avx2;
+} att_ctx;
+
+static inline float kv_at(const shmk_kv_t *kv, const void *cache, size_t i) {
+    return kv->dtype == 1 ? f16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+
+static void att_task_portable(const att_ctx *c, const att_task *tk) {
+    const shmk_kv_t *kv = c->kv;
+    const int64_t d = kv->d, G = c->hq / kv->hk, bs = kv->block_size;
+    const int64_t q_start = c->qsl[tk->b], q_len = c->qsl[tk->b + 1] - q_start;
+    const int64_t ctx0 = c->seq_lens[tk->b] - q_len;
+    const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
+    float o[1024];
+    for (int64_t ti = tk->t0; ti < tk->t1; ti++) {
+        const int64_t pos = ctx0 + ti;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = tk->hk * G + g;
+            const float *q = c->q + (q_start + ti) * c->q_stride + h * d;
+            float m = -INFINITY, l = 0.f;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.f;
+            for (int64_t p = 0; p <= pos; p++) {
+                const size_t off = kv_offset(kv, bt_row[p / bs], tk->hk, p % bs);
+                float s = 0.f;
+                for (int64_t i = 0; i < d; i++) s += q[i] * kv_at(kv, kv->k, off + i);
+                s *= c->scale;
+                if (s > m) {
+                    float alpha = expf(m - s);
+                    for (int64_t i = 0; i < d; i++) o[i] *= alpha;
+                    l *= alpha;
+                    m = s;
+                }
+                float pr = expf(s - m);
+                l += pr;
+                for (int64_t i = 0; i < d; i++) o[i] += pr * kv_at(kv, kv->v, off + i);
+            }
+            float *out = c->out + ((q_start + ti) * c->hq + h) * d;
+            for (int64_t i = 0; i < d; i++) out[i] = o[i] / l;
+        }
+    }
+}
+
+/* Row pointers of kv positions c0 .. min(c0 + ATT_CHUNK, end) - 1 of one kv head in `cache`;
+ * lanes past `end` repeat row c0 (their results are masked or multiplied by zero). */
+static inline void chunk_rows(const shmk_kv_t *kv, const void *cache, const int32_t *bt_row,
+                              int64_t h, int64_t c0, int64_t end, const void **out) {
+    const int64_t bs = kv->block_size;
+    const size_t esz = kv_esize(kv);
+    const int cn = end - c0 < ATT_CHUNK ? (int)(end - c0) : ATT_CHUNK;
+    int64_t bi = c0 / bs, off = c0 % bs; /* one division per chunk */
+    for (int j = 0; j < cn; j++) {
+        out[j] = (const char *)cache + kv_offset(kv, bt_row[bi], h, off) * esz;
+        if (++off == bs) off = 0, bi++;
+    }
+    for (int j = cn; j < ATT_CHUNK; j++) out[j] = out[0];
+}
+
+/* Streams one kv head's cache rows chunk by chunk.  NOTE: rows ATT_PF chunks ahead are
+ * prefetched: decode reads every cache row exactly once and does little arithmetic per row, so
+ * without it each chunk waits on memory (perf put over half of the kernel's samples on the first
+ * use of each loaded row; one chunk ahead was not enough). */
+#define ATT_PF 1
+typedef struct {
+    const shmk_kv_t *kv;
+    const void *cache;
+    const int32_t *bt_row;
+    int64_t h, end;
+    float *f32; /* [ATT_CHUNK][d] widened rows when the cache is fp16 */
+} chunk_stream;
+
+AVX2_FN static void widen_f16(float *dst, const uint16_t *src, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+}
+
+/* fp32 row pointers (into rows_out) of the chunk at c0; prefetches the chunk ATT_PF ahead (and,
+ * on the first call, the ones before it) */
+AVX2_FN static const float *const *stream_chunk(chunk_stream *st, int64_t c0, float **rows_out) {
+    const void *rows[ATT_CHUNK];
+    const int64_t row_bytes = st->kv->d * (int64_t)kv_esize(st->kv);
+    for (int64_t p0 = c0 == 0 ? ATT_CHUNK : c0 + ATT_PF * ATT_CHUNK;
+         p0 <= c0 + ATT_PF * ATT_CHUNK && p0 < st->end; p0 += ATT_CHUNK) {
+        chunk_rows(st->kv, st->cache, st->bt_row, st->h, p0, st->end, rows);
+        const int cn = st->end - p0 < ATT_CHUNK ? (int)(st->end - p0) : ATT_CHUNK;
+        for (int j = 0; j < cn; j++)
+            for (int64_t b = 0; b < row_bytes; b += 64)
+                _mm_prefetch((const char *)rows[j] + b, _MM_HINT_T0);
+    }
+    chunk_rows(st->kv, st->cache, st->bt_row, st->h, c0, st->end, rows);
+    if (st->kv->dtype == 1) {
+        /* widen once here, not once per query row that reads the chunk */
+        const int64_t d = st->kv->d;
+        const int cn = st->end - c0 < ATT_CHUNK ? (int)(st->end - c0) : ATT_CHUNK;
+        for (int j = 0; j < ATT_CHUNK; j++) {
+            rows_out[j] = st->f32 + (j < cn ? j : 0) * d;
+            if (j < cn) widen_f16(rows_out[j], rows[j], d);
+        }
+    } else {
+        for (int j = 0; j < ATT_CHUNK; j++) rows_out[j] = (float *)rows[j];
+    }
+    return (const float *const *)rows_out;
+}
+
+/* 8 dot products q.k_j (d % 8 == 0) -> one ymm, via 8 accumulators and an hadd tree. */
+INLINE AVX2_FN __m256 dot8(const float *q, const float *const *kp, int64_t d) {
+    /* named accumulators: GCC keeps an array of them on the stack */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *k0 = kp[0], *k1 = kp[1], *k2 = kp[2], *k3 = kp[3];
+    const float *k4 = kp[4], *k5 = kp[5], *k6 = kp[6], *k7 = kp[7];
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
+    }
+    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* o[0..d) += sum_{j < n} p[j] * v_j; 64 columns at a time in 8 independent FMA chains (4 would
+ * leave the loop bound by FMA latency). */
+INLINE AVX2_FN void pv_accumulate(float *o, const float *p, const float *const *vp, int n,
+                                  int64_t d) {
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) {
+        __m256 o0 = _mm256_loadu_ps(o + i), o1 = _mm256_loadu_ps(o + i + 8);
+        __m256 o2 = _mm256_loadu_ps(o + i + 16), o3 = _mm256_loadu_ps(o + i + 24);
+        __m256 o4 = _mm256_loadu_ps(o + i + 32), o5 = _mm256_loadu_ps(o + i + 40);
+        __m256 o6 = _mm256_loadu_ps(o + i + 48), o7 = _mm256_loadu_ps(o + i + 56);
+        for (int j = 0; j < n; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *v = vp[j] + i;
+            o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), o0);
+            o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), o2);
+            o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), o3);
+            o4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 32), o4);
+            o5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 40), o5);
+            o6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 48), o6);
+            o7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 56), o7);
+        }
+        _mm256_storeu_ps(o + i, o0);
+        _mm256_storeu_ps(o + i + 8, o1);
+        _mm256_storeu_ps(o + i + 16, o2);
+        _mm256_storeu_ps(o + i + 24, o3);
+        _mm256_storeu_ps(o + i + 32, o4);
+        _mm256_storeu_ps(o + i + 40, o5);
+        _mm256_storeu_ps(o + i + 48, o6);
+        _mm256_storeu_ps(o + i + 56, o7);
+    }
+    for (; i < d; i += 8) {
+        __m256 o0 = _mm256_loadu_ps(o + i);
+        for (int j = 0; j < n; j++)
+            o0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vp[j] + i), o0);
+        _mm256_storeu_ps(o + i, o0);
+    }
+}
+
+/* Row r's scores s[0..len) -> exp(s - max) in place, zeros up to npos; returns their sum. */
+AVX2_FN static float softmax_row(float *s, int64_t len, int64_t npos) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+    float m = hmax256(vmax);
+    for (; i < len; i++) m = s[i] > m ? s[i] : m;
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= len; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(s + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum256(vsum);
+    for (; i < len; i++) sum += (s[i] = expf(s[i] - m));
+    for (; i < npos; i++) s[i] = 0.f;
+    return sum;
+}
+
+/* Exact (two-pass) softmax per task: scores of every query row of the task against every kv
+ * position it sees, then softmax over each row, then P.V.  K and V are each read once per task;
+ * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling. */
+AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk) {
+    const shmk_kv_t *kv = c->kv;
+    const int64_t d = kv->d, G = c->hq / kv->hk;
+    const int64_t q_start = c->qsl[tk->b], q_len = c->qsl[tk->b + 1] - q_start;
+    const int64_t ctx0 = c->seq_lens[tk->b] - q_len;
+    const int64_t kv_end = ctx0 + tk->t1; /* exclusive */
+    const int64_t npos = shmk_cdiv(kv_end, ATT_CHUNK) * ATT_CHUNK;
+    const int64_t nrows = (tk->t1 - tk->t0) * G; /* row r = (token t0 + r / G, head r % G) */
+    float *S = shmk_scratch(3, (size_t)(nrows * (npos + d + 1) + ATT_CHUNK * d) * sizeof(float));
+    float *O = S + nrows * npos, *W = O + nrows * d, *inv_sum = W + ATT_CHUNK * d;
+    float *rowbuf[ATT_CHUNK];
+    const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
+    chunk_stream st = {.kv = kv, .bt_row = bt_row, .h = tk->hk, .end = kv_end, .f32 = W};
+    const __m256 vscale = _mm256_set1_ps(c->scale);
+    /* pass 1: scores (lanes past a row's causal limit are overwritten by softmax_row) */
+    st.cache = kv->k;
+    for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
+        const float *const *kp = stream_chunk(&st, c0, rowbuf);
+        const int two = kv_end - c0 > 8;
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t ti = tk->t0 + r / G;
+            if (ctx0 + ti < c0) continue; /* the whole chunk is in this token's future */
+            const float *q = c->q + (q_start + ti) * c->q_stride + (tk->hk * G + r % G) * d;
+            float *s = S + r * npos + c0;
+            _mm256_storeu_ps(s, _mm256_mul_ps(dot8(q, kp, d), vscale));
+            if (two) _mm256_storeu_ps(s + 8, _mm256_mul_ps(dot8(q, kp + 8, d), vscale));
+        }
+    }
+    /* pass 2: softmax (normalised at the end, in the output store) */
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t len = ctx0 + tk->t0 + r / G + 1;
+        inv_sum[r] = 1.f / softmax_row(S + r * npos, len, npos);
+    }
+    memset(O, 0, (size_t)(nrows * d) * sizeof(float));
+    /* pass 3: O = P.V */
+    st.cache = kv->v;
+    for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
+        const float *const *vp = stream_chunk(&st, c0, rowbuf);
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t pos = ctx0 + tk->t0 + r / G;
+            if (pos < c0) continue;
+            const int n = pos - c0 + 1 < ATT_CHUNK ? (int)(pos - c0 + 1) : ATT_CHUNK;
+            pv_accumulate(O + r * d, S + r * npos + c0, vp, n, d);
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t ti = tk->t0 + r / G;
+        float *out = c->out + ((q_start + ti) * c->hq + tk->hk * G + r % G) * d;
+        const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(O + r * d + i), inv));
+    }
+}
+
+static void att_task_fn(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const att_ctx *c = vctx;
+    if (c->avx2)
+        att_task_avx2(c, &c->tasks[task]);
+    else
+        att_task_portable(c, &c->tasks[task]);
+}
+
+void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
+                         const int32_t *block_table, int64_t max_blocks, const int32_t *seq_lens,
+                         const int32_t *qsl, int64_t b, int64_t hq, float scale, float *out) {
+    const int64_t total_q = qsl[b] - qsl[0];
+    if (total_q <= 0) return;
+    const int avx2 = shmk_path() >= SHMK_AVX2 && kv->d % 8 == 0;
+    if (!avx2 && kv->d > 1024) return; /* the portable path keeps o[] on the stack */
+    int64_t ntasks = 0;
+    for (int64_t s = 0; s < b; s++) ntasks += shmk_cdiv(qsl[s + 1] - qsl[s], ATT_QTILE) * kv->hk;
+    att_task *tasks = shmk_scratch(4, (size_t)ntasks * sizeof(att_task));
+    int64_t n = 0;
+    /* longest (most causal work) tiles first so dynamic scheduling balances the tail */
+    for (int64_t s = 0; s < b; s++) {
+        for (int64_t t1 = qsl[s + 1] - qsl[s]; t1 > 0; t1 -= ATT_QTILE) {
+            const int64_t t0 = t1 - ATT_QTILE > 0 ? t1 - ATT_QTILE : 0;
+            for (int64_t h = 0; h < kv->hk; h++)
+                tasks[n++] = (att_task){(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1};
+        }
+    }
+    att_ctx c = {q,   q_stride, kv,    block_table, seq_lens, qsl, max_blocks,
+                 hq,  scale,    out,   tasks,       avx2};
+    shmk_parallel(att_task_fn, &c, ntasks);
+}
+
+void shmk_paged_attention(const float *q, const shmk_kv_t *kv, const int32_t *block_table,
+                          int64_t max_blocks, const int32_t *seq_lens,
+                          const int32_t *query_start_loc, int64_t b, int64_t hq, float scale,
+                          float *out) {
+    shmk_attention_impl(q, hq * kv->d, kv, block_table, max_blocks, seq_lens, query_start_loc, b,
+                        hq, scale, out);
+}
