@@ -1,0 +1,29 @@
+/* Public C API of shm_engine._sampler_cffi.  build_sampler.py feeds the lines of this file that
+ * do not start with '#' to ffi.cdef(), so keep it to plain declarations.
+ *
+ * Path ids: 0 = portable C, 1 = AVX2 (+FMA).  The Python wrapper is shm_engine/model/sample_native.py;
+ * the semantics are those of shm_engine/model/sampler.py (filtered_probs + sample_inverse_cdf). */
+#ifndef SHMS_SAMPLE_H
+#define SHMS_SAMPLE_H
+#include <stddef.h>
+#include <stdint.h>
+
+int shms_best_path(void); /* best path this CPU supports */
+
+/* Bytes of the `work` scratch shms_sample_rows needs for vocabulary size v (any alignment). */
+size_t shms_work_bytes(int64_t v);
+
+/* Draw one token for each of n rows of logits (float32, v per row, unit stride along v).
+ *   row j reads logits + rows[j] * stride (rows == NULL: row j itself; stride may be 0);
+ *   temperature[j] finite and >= 0 (raised to 1e-5 if below, like filtered_probs);
+ *   top_k[j] >= -1, in 1..v-1 it enables top-k; top_p[j] in (0, 1] (1: off); min_p[j] in [0, 1];
+ *   u[j] in [0, 1).
+ *   out[j]: the token; probs (may be NULL): [n][v] the filtered distribution each draw used.
+ *   work: shms_work_bytes(v) bytes, reused row after row (one call at a time per buffer).
+ * Returns 0, -1 on invalid arguments (nothing written), -2 if the CPU lacks `path`. */
+int shms_sample_rows(const float *logits, int64_t stride, int64_t v, int64_t n,
+                     const int64_t *rows, const float *temperature, const int64_t *top_k,
+                     const float *top_p, const float *min_p, const double *u, int64_t *out,
+                     float *probs, void *work, int path);
+
+#endif
