@@ -402,8 +402,12 @@ INLINE VNNI_FN void vnni_store(const gemm_ctx *c, int64_t blk, int64_t i, __m512
     _mm512_mask_storeu_ps(y, mask, v);
 }
 
+/* pf_next: also prefetch the next unit's weights (blocks blk+2, blk+3) into L2.  Wide tiles
+ * (mr > 2) reuse a unit's weights from cache for every row tile after the first, so the memory
+ * stream would otherwise stall the first tile and idle for the rest; the caller sets pf_next on
+ * the first row tile of a unit, so the next unit arrives while this one is computed. */
 INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
-                                const int nr, const int raw) {
+                                const int nr, const int raw, const int pf_next) {
     const int64_t G = c->G, kp = c->kp;
     const int8_t *wb0 = c->packed + blk * G * GBYTES;
     const int8_t *wb1 = wb0 + G * GBYTES;
@@ -424,6 +428,11 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
             if (mr <= 2 && (p & 1)) {
                 _mm_prefetch((const char *)w0 + p * 32 + PF_DIST, _MM_HINT_T0);
                 if (nr == 2) _mm_prefetch((const char *)w1 + p * 32 + PF_DIST, _MM_HINT_T0);
+            } else if (mr > 2 && pf_next && (p & 1)) {
+                /* NOTE: past the last unit these addresses leave the weights; prefetches of
+                 * unmapped memory are dropped, never fault. */
+                _mm_prefetch((const char *)w0 + 2 * G * GBYTES + p * 32, _MM_HINT_T1);
+                _mm_prefetch((const char *)w1 + 2 * G * GBYTES + p * 32, _MM_HINT_T1);
             }
             const int s = split == 2 ? (p & 1) : 0;
             const __m512i v0 =
@@ -472,11 +481,12 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
 #define VNNI_ROWS(NR, RAW)                                                                 \
     do {                                                                                   \
         int64_t i = i0;                                                                    \
-        for (; i + VNNI_MR <= i1; i += VNNI_MR) vnni_kernel(c, blk, i, VNNI_MR, NR, RAW); \
+        for (; i + VNNI_MR <= i1; i += VNNI_MR)                                            \
+            vnni_kernel(c, blk, i, VNNI_MR, NR, RAW, i == i0);                             \
         switch (i1 - i) {                                                                  \
-        case 3: vnni_kernel(c, blk, i, 3, NR, RAW); break;                                \
-        case 2: vnni_kernel(c, blk, i, 2, NR, RAW); break;                                \
-        case 1: vnni_kernel(c, blk, i, 1, NR, RAW); break;                                \
+        case 3: vnni_kernel(c, blk, i, 3, NR, RAW, i == i0); break;                       \
+        case 2: vnni_kernel(c, blk, i, 2, NR, RAW, 0); break;                             \
+        case 1: vnni_kernel(c, blk, i, 1, NR, RAW, 0); break;                             \
         default: break;                                                                    \
         }                                                                                  \
     } while (0)
