@@ -134,7 +134,8 @@ typedef struct {
     float scale;
     float *out;
     const att_task *tasks;
-    int avx2;
+    int avx2; /* the SIMD driver (att_task_avx2); else portable */
+    int wide; /* inside it, the AVX-512 inner loops (d % 16 == 0) */
 } att_ctx;
 
 static inline float kv_at(const shmk_kv_t *kv, const void *cache, size_t i) {
@@ -202,11 +203,24 @@ typedef struct {
     const int32_t *bt_row;
     int64_t h, end;
     float *f32; /* [ATT_CHUNK][d] widened rows when the cache is fp16 */
+    int wide;   /* widen with AVX-512 */
 } chunk_stream;
 
 AVX2_FN static void widen_f16(float *dst, const uint16_t *src, int64_t d) {
     for (int64_t i = 0; i < d; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+}
+
+/* ------------------------------------------------------------------ AVX-512 inner loops
+ * The AVX2 driver below calls these (not inlined: they are compiled for another target) once
+ * per chunk and query row, so a call's cost is spread over 16 kv rows.  zmm halves the
+ * instructions per kv element of the AVX2 loops; the arithmetic is the same fp32, summed in
+ * another order (results agree to rounding, not bit for bit, with the AVX2 path). */
+#define AVX512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
+
+AVX512_FN static void widen_f16_512(float *dst, const uint16_t *src, int64_t d) {
+    for (int64_t i = 0; i < d; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
 }
 
 /* fp32 row pointers (into rows_out) of the chunk at c0; prefetches the chunk ATT_PF ahead (and,
@@ -229,12 +243,25 @@ AVX2_FN static const float *const *stream_chunk(chunk_stream *st, int64_t c0, fl
         const int cn = st->end - c0 < ATT_CHUNK ? (int)(st->end - c0) : ATT_CHUNK;
         for (int j = 0; j < ATT_CHUNK; j++) {
             rows_out[j] = st->f32 + (j < cn ? j : 0) * d;
-            if (j < cn) widen_f16(rows_out[j], rows[j], d);
+            if (j >= cn) continue;
+            if (st->wide)
+                widen_f16_512(rows_out[j], rows[j], d);
+            else
+                widen_f16(rows_out[j], rows[j], d);
         }
     } else {
         for (int j = 0; j < ATT_CHUNK; j++) rows_out[j] = (float *)rows[j];
     }
     return (const float *const *)rows_out;
+}
+
+/* lane j = the sum of a_j's 8 lanes (an hadd tree) */
+INLINE AVX2_FN __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                              __m256 a6, __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 /* 8 dot products q.k_j (d % 8 == 0) -> one ymm, via 8 accumulators and an hadd tree. */
@@ -254,10 +281,7 @@ INLINE AVX2_FN __m256 dot8(const float *q, const float *const *kp, int64_t d) {
         a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
         a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
     }
-    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
-    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    return reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
 /* o[0..d) += sum_{j < n} p[j] * v_j; 64 columns at a time in 8 independent FMA chains (4 would
@@ -299,6 +323,81 @@ INLINE AVX2_FN void pv_accumulate(float *o, const float *p, const float *const *
     }
 }
 
+INLINE AVX512_FN __m256 fold512(__m512 a) { /* the two 256-bit halves added */
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+INLINE AVX512_FN __m256 dot8_512(const float *q, const float *const *kp, int64_t d) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *k0 = kp[0], *k1 = kp[1], *k2 = kp[2], *k3 = kp[3];
+    const float *k4 = kp[4], *k5 = kp[5], *k6 = kp[6], *k7 = kp[7];
+    for (int64_t i = 0; i < d; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + i), a0);
+        a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + i), a1);
+        a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + i), a2);
+        a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + i), a3);
+        a4 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k4 + i), a4);
+        a5 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k5 + i), a5);
+        a6 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k6 + i), a6);
+        a7 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k7 + i), a7);
+    }
+    return reduce8(fold512(a0), fold512(a1), fold512(a2), fold512(a3), fold512(a4), fold512(a5),
+                   fold512(a6), fold512(a7));
+}
+
+/* s[0..8) (and s[8..16) when two) = scale * q.k_j for the chunk's rows */
+AVX512_FN static void scores_512(const float *q, const float *const *kp, int64_t d, float scale,
+                                 int two, float *s) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(s, _mm256_mul_ps(dot8_512(q, kp, d), vscale));
+    if (two) _mm256_storeu_ps(s + 8, _mm256_mul_ps(dot8_512(q, kp + 8, d), vscale));
+}
+
+/* pv_accumulate with zmm: 64 columns in 4 registers, even and odd kv rows in separate chains
+ * (8 in flight, as in the AVX2 version). */
+AVX512_FN static void pv_accumulate_512(float *o, const float *p, const float *const *vp, int n,
+                                        int64_t d) {
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) {
+        __m512 e0 = _mm512_loadu_ps(o + i), e1 = _mm512_loadu_ps(o + i + 16);
+        __m512 e2 = _mm512_loadu_ps(o + i + 32), e3 = _mm512_loadu_ps(o + i + 48);
+        __m512 d0 = _mm512_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+        int j = 0;
+        for (; j + 2 <= n; j += 2) {
+            const __m512 pe = _mm512_set1_ps(p[j]), po = _mm512_set1_ps(p[j + 1]);
+            const float *ve = vp[j] + i, *vo = vp[j + 1] + i;
+            e0 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve), e0);
+            e1 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve + 16), e1);
+            e2 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve + 32), e2);
+            e3 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve + 48), e3);
+            d0 = _mm512_fmadd_ps(po, _mm512_loadu_ps(vo), d0);
+            d1 = _mm512_fmadd_ps(po, _mm512_loadu_ps(vo + 16), d1);
+            d2 = _mm512_fmadd_ps(po, _mm512_loadu_ps(vo + 32), d2);
+            d3 = _mm512_fmadd_ps(po, _mm512_loadu_ps(vo + 48), d3);
+        }
+        if (j < n) {
+            const __m512 pe = _mm512_set1_ps(p[j]);
+            const float *ve = vp[j] + i;
+            e0 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve), e0);
+            e1 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve + 16), e1);
+            e2 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve + 32), e2);
+            e3 = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve + 48), e3);
+        }
+        _mm512_storeu_ps(o + i, _mm512_add_ps(e0, d0));
+        _mm512_storeu_ps(o + i + 16, _mm512_add_ps(e1, d1));
+        _mm512_storeu_ps(o + i + 32, _mm512_add_ps(e2, d2));
+        _mm512_storeu_ps(o + i + 48, _mm512_add_ps(e3, d3));
+    }
+    for (; i < d; i += 16) {
+        __m512 o0 = _mm512_loadu_ps(o + i);
+        for (int j = 0; j < n; j++)
+            o0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vp[j] + i), o0);
+        _mm512_storeu_ps(o + i, o0);
+    }
+}
+
 /* Row r's scores s[0..len) -> exp(s - max) in place, zeros up to npos; returns their sum. */
 AVX2_FN static float softmax_row(float *s, int64_t len, int64_t npos) {
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -334,7 +433,8 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk) {
     float *O = S + nrows * npos, *W = O + nrows * d, *inv_sum = W + ATT_CHUNK * d;
     float *rowbuf[ATT_CHUNK];
     const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
-    chunk_stream st = {.kv = kv, .bt_row = bt_row, .h = tk->hk, .end = kv_end, .f32 = W};
+    chunk_stream st = {
+        .kv = kv, .bt_row = bt_row, .h = tk->hk, .end = kv_end, .f32 = W, .wide = c->wide};
     const __m256 vscale = _mm256_set1_ps(c->scale);
     /* pass 1: scores (lanes past a row's causal limit are overwritten by softmax_row) */
     st.cache = kv->k;
@@ -346,6 +446,10 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk) {
             if (ctx0 + ti < c0) continue; /* the whole chunk is in this token's future */
             const float *q = c->q + (q_start + ti) * c->q_stride + (tk->hk * G + r % G) * d;
             float *s = S + r * npos + c0;
+            if (c->wide) {
+                scores_512(q, kp, d, c->scale, two, s);
+                continue;
+            }
             _mm256_storeu_ps(s, _mm256_mul_ps(dot8(q, kp, d), vscale));
             if (two) _mm256_storeu_ps(s + 8, _mm256_mul_ps(dot8(q, kp + 8, d), vscale));
         }
@@ -364,7 +468,10 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk) {
             const int64_t pos = ctx0 + tk->t0 + r / G;
             if (pos < c0) continue;
             const int n = pos - c0 + 1 < ATT_CHUNK ? (int)(pos - c0 + 1) : ATT_CHUNK;
-            pv_accumulate(O + r * d, S + r * npos + c0, vp, n, d);
+            if (c->wide)
+                pv_accumulate_512(O + r * d, S + r * npos + c0, vp, n, d);
+            else
+                pv_accumulate(O + r * d, S + r * npos + c0, vp, n, d);
         }
     }
     for (int64_t r = 0; r < nrows; r++) {
@@ -404,8 +511,9 @@ void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
                 tasks[n++] = (att_task){(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1};
         }
     }
-    att_ctx c = {q,   q_stride, kv,    block_table, seq_lens, qsl, max_blocks,
-                 hq,  scale,    out,   tasks,       avx2};
+    const int wide = avx2 && shmk_path() == SHMK_VNNI && kv->d % 16 == 0;
+    att_ctx c = {q,     q_stride, kv,  block_table, seq_lens, qsl, max_blocks,
+                 hq,    scale,    out, tasks,       avx2,     wide};
     shmk_parallel(att_task_fn, &c, ntasks);
 }
 
