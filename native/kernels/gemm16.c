@@ -426,7 +426,12 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
 #pragma GCC unroll 16
         for (int p = 0; p < GK / 2; p++) {
             if (mr <= 2 && (p & 1)) {
-                _mm_prefetch((const char *)w0 + p * 32 + PF_DIST, _MM_HINT_T0);
+                /* NOTE: near the end of the unit, w0's look-ahead would land in block blk+1
+                 * (w1's, already streaming); skip it to blk+3, the next unit's second block.
+                 * w1's look-ahead runs on into blk+2, the next unit's first. */
+                const int64_t o = g * GBYTES + p * 32 + PF_DIST;
+                _mm_prefetch((const char *)wb0 + o + (o >= G * GBYTES ? 2 * G * GBYTES : 0),
+                             _MM_HINT_T0);
                 if (nr == 2) _mm_prefetch((const char *)w1 + p * 32 + PF_DIST, _MM_HINT_T0);
             } else if (mr > 2 && pf_next && (p & 1)) {
                 /* NOTE: past the last unit these addresses leave the weights; prefetches of
