@@ -59,10 +59,11 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ forward
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, head_dim] (angles in fp32, as HF computes them)."""
+        """cos/sin [T, head_dim] (angles in fp32, as HF computes them; cos/sin in float64 rounded
+        to fp32, like kernels.rope_cos_sin, whose NOTE says why)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([angles, angles], dim=-1)
-        return emb.cos(), emb.sin()
+        emb = torch.cat([angles, angles], dim=-1).double()
+        return emb.cos().float(), emb.sin().float()
 
     @torch.no_grad()
     def forward(

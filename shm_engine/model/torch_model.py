@@ -44,8 +44,8 @@ class TorchLlama:
         """Returns fp32 logits [len(logits_indices), vocab]."""
         c = self.config
         x = self.embed[batch.input_ids]
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
+        freqs = (batch.positions.float()[:, None] * self.inv_freq[None, :]).double()
+        cos, sin = freqs.cos().float(), freqs.sin().float()  # see kernels.rope_cos_sin
         for i, (k_cache, v_cache) in enumerate(kv_caches):
             p = f"model.layers.{i}."
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)

@@ -60,9 +60,10 @@ def test_rope_matches_hf(d):
     pos = torch.tensor([0, 1, 2, 5, 100, 7, 3, 3, 511, 40, 9])
     inv = K.rope_inv_freq(d, 1e5)
     cs = K.rope_cos_sin(inv, 512)
-    # the table matches HF's fp32 computation
+    # the table holds cos / sin of HF's fp32 arguments, accurate to 1e-6
     freqs = pos.float()[:, None] * inv[None, :]
-    torch.testing.assert_close(cs[pos, : d // 2], freqs.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(cs[pos, : d // 2].double(), freqs.double().cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(cs[pos, d // 2 :].double(), freqs.double().sin(), rtol=0, atol=1e-6)
     q2, k2 = q.clone(), k.clone()
     K.rope(q2, k2, pos.to(torch.int32), cs)
     torch.testing.assert_close(q2, hf_rope(q, pos, cs), rtol=0, atol=1e-6)
