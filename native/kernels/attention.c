@@ -483,10 +483,166 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk) {
     }
 }
 
+/* ------------------------------------------------------------------ prefill tiles, AVX-512
+ * A task's query rows (16 tokens x G heads) against its whole context is a small GEMM pair; the
+ * per-row dot products above spend as much on loads and horizontal sums as on FMAs.  Here the
+ * rows run along zmm lanes: with Q transposed once per task (Qt[i][r], scale folded in) a score
+ * block is 16 rows x 8 positions in 8 accumulators, each FMA taking one broadcast K element;
+ * softmax is elementwise across lanes; P.V keeps R rows x D columns in registers and shares each
+ * V load across the R rows.  K and V are widened to fp32 once per task into one buffer.
+ * D is a compile-time 64 or 128 (the broadcasts then use immediate offsets). */
+#define ATT_ROWS_MAX_G 16 /* query heads per kv head this path takes */
+
+INLINE AVX512_FN __m512 exp512(__m512 x) { /* exp256's polynomial on 16 lanes */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+/* dst[p][0..d) = the fp32 kv rows p = 0 .. end-1 of head h; rows end .. pad-1 zero */
+AVX512_FN static void widen_all(const shmk_kv_t *kv, const void *cache, const int32_t *bt_row,
+                                int64_t h, int64_t end, int64_t pad, float *dst) {
+    const void *rows[ATT_CHUNK];
+    const int64_t d = kv->d;
+    for (int64_t c0 = 0; c0 < end; c0 += ATT_CHUNK) {
+        chunk_rows(kv, cache, bt_row, h, c0, end, rows);
+        const int cn = end - c0 < ATT_CHUNK ? (int)(end - c0) : ATT_CHUNK;
+        for (int j = 0; j < cn; j++) {
+            if (kv->dtype == 1)
+                widen_f16_512(dst + (c0 + j) * d, rows[j], d);
+            else
+                memcpy(dst + (c0 + j) * d, rows[j], (size_t)d * sizeof(float));
+        }
+    }
+    memset(dst + end * d, 0, (size_t)((pad - end) * d) * sizeof(float));
+}
+
+/* St[p][b0 .. b0+16) = scores of the block's 16 rows at positions p0 .. p0+7 (-inf past each
+ * row's causal limit) */
+#define SCORE_ACC(k) a##k = _mm512_fmadd_ps(qv, _mm512_set1_ps(w[k * D]), a##k)
+#define SCORE_STORE(k)                                                                       \
+    do {                                                                                     \
+        const __mmask16 late = _mm512_cmplt_epi32_mask(lim, _mm512_set1_epi32((int)p0 + k)); \
+        _mm512_storeu_ps(St + (p0 + k) * rp + b0, _mm512_mask_mov_ps(a##k, late, ninf));     \
+    } while (0)
+INLINE AVX512_FN void score_block8(const float *Qt, const float *Kw, float *St, int64_t rp,
+                                   int64_t b0, int64_t p0, __m512i lim, const int D) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int i = 0; i < D; i++) {
+        const __m512 qv = _mm512_loadu_ps(Qt + i * rp + b0);
+        const float *w = Kw + p0 * D + i;
+        SCORE_ACC(0); SCORE_ACC(1); SCORE_ACC(2); SCORE_ACC(3);
+        SCORE_ACC(4); SCORE_ACC(5); SCORE_ACC(6); SCORE_ACC(7);
+    }
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    SCORE_STORE(0); SCORE_STORE(1); SCORE_STORE(2); SCORE_STORE(3);
+    SCORE_STORE(4); SCORE_STORE(5); SCORE_STORE(6); SCORE_STORE(7);
+}
+
+/* out rows r0 .. r0+nr-1 (nr <= R) = (sum_p P[p][r] V[p]) / sum_r, for positions 0 .. pend-1 */
+INLINE AVX512_FN void pv_rows(const float *St, const float *Vw, int64_t rp, int64_t r0,
+                              int64_t pend, const float *inv_sum, float *const *outs, const int D,
+                              const int R) {
+    __m512 acc[6][8]; /* [R][D / 16]; R * D / 16 <= 24 */
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < D / 16; k++) acc[r][k] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pend; p++) {
+        __m512 v[8];
+        for (int k = 0; k < D / 16; k++) v[k] = _mm512_loadu_ps(Vw + p * D + 16 * k);
+        for (int r = 0; r < R; r++) {
+            const __m512 pb = _mm512_set1_ps(St[p * rp + r0 + r]);
+            for (int k = 0; k < D / 16; k++) acc[r][k] = _mm512_fmadd_ps(pb, v[k], acc[r][k]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[r0 + r]);
+        for (int k = 0; k < D / 16; k++)
+            _mm512_storeu_ps(outs[r] + 16 * k, _mm512_mul_ps(acc[r][k], inv));
+    }
+}
+
+INLINE AVX512_FN void att_rows_impl(const att_ctx *c, const att_task *tk, const int D) {
+    const shmk_kv_t *kv = c->kv;
+    const int64_t G = c->hq / kv->hk;
+    const int64_t q_start = c->qsl[tk->b], q_len = c->qsl[tk->b + 1] - q_start;
+    const int64_t ctx0 = c->seq_lens[tk->b] - q_len;
+    const int64_t kv_end = ctx0 + tk->t1; /* exclusive */
+    const int64_t pad = shmk_cdiv(kv_end, 8) * 8;
+    const int64_t nrows = (tk->t1 - tk->t0) * G; /* row r = (token t0 + r / G, head r % G) */
+    const int64_t rp = shmk_cdiv(nrows, 16) * 16;
+    float *Qt = shmk_scratch(5, (size_t)(D * rp + pad * rp + pad * D + 2 * rp) * sizeof(float));
+    float *St = Qt + D * rp, *KVw = St + pad * rp, *inv_sum = KVw + pad * D;
+    int32_t *lim = (int32_t *)(inv_sum + rp); /* last position each row sees */
+    const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
+    float *outs[ATT_QTILE * ATT_ROWS_MAX_G];
+    for (int64_t r = 0; r < rp; r++) {
+        const int live = r < nrows;
+        const int64_t ti = tk->t0 + (live ? r : nrows - 1) / G;
+        const float *q = c->q + (q_start + ti) * c->q_stride + (tk->hk * G + r % G) * D;
+        lim[r] = (int32_t)(ctx0 + ti);
+        for (int i = 0; i < D; i++) Qt[i * rp + r] = live ? q[i] * c->scale : 0.f;
+    }
+    /* pass 1: scores, block by block of 16 rows, only as far as the block's last row sees */
+    widen_all(kv, kv->k, bt_row, tk->hk, kv_end, pad, KVw);
+    for (int64_t b0 = 0; b0 < rp; b0 += 16) {
+        const __m512i limv = _mm512_loadu_si512((const void *)(lim + b0));
+        const int64_t last = lim[b0 + 15]; /* rows are in token order: the block's largest */
+        for (int64_t p0 = 0; p0 <= last; p0 += 8) score_block8(Qt, KVw, St, rp, b0, p0, limv, D);
+        /* pass 2: softmax along positions, 16 rows at once; zeros past `last` for pv_rows */
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t p = 0; p <= last; p++) m = _mm512_max_ps(m, _mm512_loadu_ps(St + p * rp + b0));
+        for (int64_t p = 0; p <= last; p++) {
+            const __mmask16 late = _mm512_cmplt_epi32_mask(limv, _mm512_set1_epi32((int)p));
+            const __m512 e = _mm512_maskz_mov_ps(
+                (__mmask16)~late, exp512(_mm512_sub_ps(_mm512_loadu_ps(St + p * rp + b0), m)));
+            _mm512_storeu_ps(St + p * rp + b0, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        for (int64_t p = last + 1; p < kv_end; p++)
+            _mm512_storeu_ps(St + p * rp + b0, _mm512_setzero_ps());
+        _mm512_storeu_ps(inv_sum + b0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    }
+    /* pass 3: P.V */
+    widen_all(kv, kv->v, bt_row, tk->hk, kv_end, pad, KVw);
+    for (int64_t r = 0; r < nrows; r++)
+        outs[r] = c->out + ((q_start + tk->t0 + r / G) * c->hq + tk->hk * G + r % G) * D;
+    const int R = D == 64 ? 6 : 3;
+    int64_t r0 = 0;
+    for (; r0 + R <= nrows; r0 += R)
+        pv_rows(St, KVw, rp, r0, lim[r0 + R - 1] + 1, inv_sum, outs + r0, D, R);
+    for (; r0 < nrows; r0++) pv_rows(St, KVw, rp, r0, lim[r0] + 1, inv_sum, outs + r0, D, 1);
+}
+
+AVX512_FN static void att_rows_d64(const att_ctx *c, const att_task *tk) {
+    att_rows_impl(c, tk, 64);
+}
+AVX512_FN static void att_rows_d128(const att_ctx *c, const att_task *tk) {
+    att_rows_impl(c, tk, 128);
+}
+
 static void att_task_fn(void *vctx, int64_t task, int tid) {
     (void)tid;
     const att_ctx *c = vctx;
-    if (c->avx2)
+    const att_task *tk = &c->tasks[task];
+    const int64_t G = c->hq / c->kv->hk;
+    /* lanes are rows: worth it from 16 rows (prefill tiles), not for decode's G rows */
+    const int rows = c->wide && (tk->t1 - tk->t0) * G >= 16 && G <= ATT_ROWS_MAX_G;
+    if (rows && c->kv->d == 64)
+        att_rows_d64(c, tk);
+    else if (rows && c->kv->d == 128)
+        att_rows_d128(c, tk);
+    else if (c->avx2)
         att_task_avx2(c, &c->tasks[task]);
     else
         att_task_portable(c, &c->tasks[task]);
