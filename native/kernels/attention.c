@@ -418,6 +418,26 @@ AVX2_FN static float softmax_row(float *s, int64_t len, int64_t npos) {
     return sum;
 }
 
+/* Asks for all of a task's K and V (up to ATT_PF_TASK_BYTES) in L2 at its start.  NOTE: one
+ * (block, head) slab is only block_size x d elements (2 KB for 16 x 64 fp16) and a sequence's
+ * blocks lie anywhere in the pool, so the hardware prefetcher restarts at every slab and the
+ * chunk-ahead prefetch covers one slab; issuing every slab up front keeps many misses in flight
+ * and lets V arrive while K is being used. */
+#define ATT_PF_TASK_BYTES (256 * 1024)
+static void prefetch_task_kv(const shmk_kv_t *kv, const int32_t *bt_row, int64_t h, int64_t end) {
+    const int64_t bs = kv->block_size, esz = (int64_t)kv_esize(kv);
+    const int64_t slab = bs * kv->d * esz, nblk = shmk_cdiv(end, bs);
+    if (2 * nblk * slab > ATT_PF_TASK_BYTES) return;
+    for (int64_t b = 0; b < nblk; b++) {
+        const size_t off = kv_offset(kv, bt_row[b], h, 0) * (size_t)esz;
+        const int64_t bytes = b == nblk - 1 ? (end - b * bs) * kv->d * esz : slab;
+        for (int64_t x = 0; x < bytes; x += 64) {
+            _mm_prefetch((const char *)kv->k + off + x, _MM_HINT_T1);
+            _mm_prefetch((const char *)kv->v + off + x, _MM_HINT_T1);
+        }
+    }
+}
+
 /* Exact (two-pass) softmax per task: scores of every query row of the task against every kv
  * position it sees, then softmax over each row, then P.V.  K and V are each read once per task;
  * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling. */
@@ -436,6 +456,7 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk) {
     chunk_stream st = {
         .kv = kv, .bt_row = bt_row, .h = tk->hk, .end = kv_end, .f32 = W, .wide = c->wide};
     const __m256 vscale = _mm256_set1_ps(c->scale);
+    prefetch_task_kv(kv, bt_row, tk->hk, kv_end);
     /* pass 1: scores (lanes past a row's causal limit are overwritten by softmax_row) */
     st.cache = kv->k;
     for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
