@@ -34,6 +34,9 @@ typedef struct {
     const uint16_t *scales;
     float scale_mult;
     const float *bias; /* may be NULL */
+    /* 1: on AMX machines, calls of >= 24 rows may round the activations to bf16 (gemm_amx.c);
+     * 0: always int16 activations (for inputs whose range bf16 serves badly) */
+    int act_bf16;
 } shmk_linear_t;
 
 /* activations: per-row symmetric int16, xq[m][kp] zero padded, scale = max|x|/32767 */

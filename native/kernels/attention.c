@@ -688,7 +688,7 @@ void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
                 tasks[n++] = (att_task){(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1};
         }
     }
-    const int wide = avx2 && shmk_path() == SHMK_VNNI && kv->d % 16 == 0;
+    const int wide = avx2 && shmk_path() >= SHMK_VNNI && kv->d % 16 == 0;
     att_ctx c = {q,     q_stride, kv,  block_table, seq_lens, qsl, max_blocks,
                  hq,    scale,    out, tasks,       avx2,     wide};
     shmk_parallel(att_task_fn, &c, ntasks);

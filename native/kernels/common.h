@@ -6,7 +6,9 @@
 
 #include "api.h"
 
-enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2 };
+/* AMX: the VNNI kernels, except linear layers of >= SHMK_AMX_MIN_M rows (gemm_amx.c) */
+enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
+#define SHMK_AMX_MIN_M 24
 
 static inline int64_t shmk_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -22,6 +24,11 @@ int shmk_threads(void);
 
 /* Thread-local growable scratch (64-byte aligned).  slot selects one of a few buffers. */
 void *shmk_scratch(int slot, size_t bytes);
+
+/* AMX-BF16 support, checked once (CPU flags and the kernel's permission for tile state) */
+int shmk_amx_available(void);
+/* y (+)= linear(x) on AMX tiles (bf16 activations; see gemm_amx.c) */
+void shmk_linear_amx(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
 
 /* GEMM internal reused by the fused layer: y (+)= linear(x). */
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);

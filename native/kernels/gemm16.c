@@ -41,7 +41,7 @@ int shmk_best_path(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-        return SHMK_VNNI;
+        return shmk_amx_available() ? SHMK_AMX : SHMK_VNNI;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         return SHMK_AVX2;
@@ -57,6 +57,7 @@ int shmk_path(void) {
             int want = !strcmp(env, "portable") ? SHMK_PORTABLE
                        : !strcmp(env, "avx2")   ? SHMK_AVX2
                        : !strcmp(env, "vnni")   ? SHMK_VNNI
+                       : !strcmp(env, "amx")    ? SHMK_AMX
                                                 : best;
             if (want <= best) g_path = want;
         }
@@ -588,7 +589,7 @@ static void prepare(gemm_ctx *c, const float *x, const int16_t *xq_given) {
 
 static void init_ctx(gemm_ctx *c, int64_t m, const shmk_linear_t *w) {
     memset(c, 0, sizeof *c);
-    c->path = shmk_path();
+    c->path = shmk_path() == SHMK_AMX ? SHMK_VNNI : shmk_path(); /* the integer kernels */
     c->m = m, c->k = w->k, c->kp = shmk_padded_k(w->k), c->G = c->kp / GK, c->n = w->n;
     c->packed = w->packed, c->scales = w->scales, c->mult = w->scale_mult, c->bias = w->bias;
 }
@@ -605,6 +606,10 @@ void shmk_gemm_group_dots(const int16_t *xq, int64_t m, const shmk_linear_t *w, 
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                       int accumulate) {
     if (m <= 0 || w->n <= 0) return;
+    if (shmk_path() == SHMK_AMX && m >= SHMK_AMX_MIN_M && w->act_bf16) {
+        shmk_linear_amx(w, x, m, y, accumulate);
+        return;
+    }
     gemm_ctx c;
     init_ctx(&c, m, w);
     c.y = y;

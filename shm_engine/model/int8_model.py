@@ -98,7 +98,10 @@ class Int8Llama:
             qkv=kernels.PackedLinear.from_float(qkv, bias),
             o=kernels.PackedLinear.from_float(w[p + "self_attn.o_proj.weight"]),
             gate_up=kernels.PackedLinear.from_float(gate_up),
-            down=kernels.PackedLinear.from_float(w[p + "mlp.down_proj.weight"]),
+            # NOTE: int16 activations for down_proj even on AMX: its input (SiLU(gate) * up) is
+            # heavy-tailed, and bf16 there cost SmolLM2 ~0.6 % teacher-forced top-1 agreement with
+            # fp32 (97.6 %); bf16 into qkv, o, gate_up and the LM head cost none (98.2 %).
+            down=kernels.PackedLinear.from_float(w[p + "mlp.down_proj.weight"], act_bf16=False),
         )
 
     @property

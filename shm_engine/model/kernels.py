@@ -19,6 +19,12 @@ thread counts agree bit for bit:
   ``vpmaddwd``), then ``acc = fma(float(dot), s_g, acc)`` over the groups in order;
 * ``y = acc * (sx * scale_mult) + bias``.
 
+Path "amx" (CPUs with AMX-BF16; the best path there) runs everything as "vnni" except linear
+calls of >= 24 rows whose weight has ``act_bf16`` (the default): those round the activations to
+bf16 (nearest even) instead of int16 and run on AMX tiles (native/kernels/gemm_amx.c), with the
+weights entering exactly and the group scales applied in fp32 as above. Those results differ from
+the other paths by the bf16 rounding; they still do not depend on the thread count.
+
 KV cache layout (per layer): ``k_cache, v_cache: [num_blocks, Hkv, block_size, D]``, float32 or
 float16 (``KV_DTYPES``; fp16 is rounded to nearest even on write and widened exactly on read, the
 attention math is fp32); token slot ``s`` lives in block ``s // block_size`` at offset
@@ -62,13 +68,13 @@ __all__ = [
     "write_kv",
 ]
 
-PATHS = {"portable": 0, "avx2": 1, "vnni": 2}
+PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 _PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 
 # --------------------------------------------------------------------------- dispatch / threads
 def best_path() -> str:
-    """Fastest path this CPU supports: "vnni", "avx2" or "portable"."""
+    """Fastest path this CPU supports: "amx", "vnni", "avx2" or "portable"."""
     return _PATH_NAMES[lib.shmk_best_path()]
 
 
@@ -78,7 +84,7 @@ def get_path() -> str:
 
 
 def set_path(name: str) -> None:
-    """Force a dispatch path ("portable", "avx2", "vnni"); ValueError if the CPU lacks it."""
+    """Force a dispatch path ("portable", "avx2", "vnni", "amx"); ValueError if the CPU lacks it."""
     if name not in PATHS:
         raise ValueError(f"unknown kernel path {name!r}; expected one of {sorted(PATHS)}")
     if lib.shmk_set_path(PATHS[name]) != 0:
@@ -176,14 +182,17 @@ class PackedLinear:
     flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias`` (fp32 [n] or None).
     """
 
-    __slots__ = ("n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "_c")
+    __slots__ = ("n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16")
+    __slots__ += ("_c",)
 
-    def __init__(self, n, k, packed, scales, scale_mult, bias=None):
+    def __init__(self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True):
         self.n, self.k, self.kp = int(n), int(k), padded_k(k)
         self.groups = self.kp // 32
         self.packed, self.scales, self.scale_mult, self.bias = packed, scales, scale_mult, bias
+        self.act_bf16 = bool(act_bf16)
         c = ffi.new("shmk_linear_t *")
         c.n, c.k = self.n, self.k
+        c.act_bf16 = int(self.act_bf16)
         c.packed = _i8(packed)
         c.scales = _u16(scales)
         c.scale_mult = float(scale_mult)
@@ -191,8 +200,12 @@ class PackedLinear:
         self._c = c
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-        """Quantise and pack a float weight [n, k] (any float dtype; copied to fp32 if needed)."""
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16: bool = True
+    ) -> PackedLinear:
+        """Quantise and pack a float weight [n, k] (any float dtype; copied to fp32 if needed).
+
+        ``act_bf16=False`` keeps int16 activations on the AMX path too (see path "amx")."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
         if not weight.is_floating_point():
@@ -208,7 +221,7 @@ class PackedLinear:
         if bias is not None:
             b = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
             _shape(b, "bias", (n,))
-        return cls(n, k, packed, scales, mult, b)
+        return cls(n, k, packed, scales, mult, b, act_bf16)
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,9 @@ import torch
 
 from shm_engine.model import kernels as K
 
+# the int16-activation paths (bit-identical to each other); "amx" has its own tests below
 PATHS = [p for p in ("portable", "avx2", "vnni") if K.PATHS[p] <= K.PATHS[K.best_path()]]
+HAS_AMX = K.best_path() == "amx"
 SHAPES = [
     (1, 1),
     (3, 5),
@@ -144,6 +146,7 @@ def test_linear_dequant_reference(m, n, k):
     b = torch.randn(n, generator=g)
     x = torch.randn(m, k, generator=g)
     p = K.PackedLinear.from_float(w, b)
+    K.set_path(PATHS[-1])
     y = K.linear(x, p)
     xq, sx = K.quantize_rows(x)
     q, s = p.unpack()
@@ -154,6 +157,57 @@ def test_linear_dequant_reference(m, n, k):
     exact = x @ w.T + b
     err = (y - exact).abs().max() / (x @ w.T).abs().max()
     assert err < 0.01
+
+
+def bf16_reference(x: torch.Tensor, p: K.PackedLinear) -> torch.Tensor:
+    """float64 math of the AMX contract: bf16(x) times the exact int8 weights per group, group
+    scales applied per group, then scale_mult folded in by unpack(), plus bias."""
+    q, s = p.unpack()
+    xb = x.to(torch.bfloat16).double()
+    kp = p.kp
+    xp = torch.zeros(x.shape[0], kp, dtype=torch.float64)
+    xp[:, : p.k] = xb
+    qp = torch.zeros(p.n, kp, dtype=torch.float64)
+    qp[:, : p.k] = q.double()
+    dots = torch.einsum("igk,jgk->ijg", xp.view(x.shape[0], -1, 32), qp.view(p.n, -1, 32))
+    y = (dots * s.double()[None]).sum(-1)
+    return y + p.bias.double() if p.bias is not None else y
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "m,n,k", [(24, 17, 7), (25, 50, 100), (33, 960, 576), (64, 33, 131), (130, 3072, 64),
+              (300, 576, 1536), (1024, 40, 33)],
+)  # fmt: skip
+def test_amx_linear_matches_bf16_reference(bias, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    p = K.PackedLinear.from_float(w, b)
+    K.set_path("amx")
+    y = K.linear(x, p)
+    torch.testing.assert_close(y.double(), bf16_reference(x, p), rtol=1e-5, atol=1e-5)
+    # within bf16 rounding of the int16 paths' result
+    K.set_path("vnni")
+    y16 = K.linear(x, p)
+    assert ((y - y16).norm() / y16.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
+def test_amx_only_for_large_m_and_act_bf16_weights():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 96, generator=g)
+    exact = K.PackedLinear.from_float(w, act_bf16=False)
+    fast = K.PackedLinear.from_float(w)
+    for m in (1, 23, 24, 200):
+        x = torch.randn(m, 96, generator=g)
+        with K.use_path("vnni"):
+            want = K.linear(x, exact)
+        with K.use_path("amx"):
+            assert torch.equal(K.linear(x, exact), want)  # int16 activations whatever m
+            assert torch.equal(K.linear(x, fast), want) == (m < 24)
 
 
 def test_linear_batched_leading_dims_and_out():
@@ -205,6 +259,12 @@ def test_paths_reported():
     if "vnni" not in PATHS:
         with pytest.raises(ValueError, match="not supported"):
             K.set_path("vnni")
+    if HAS_AMX:
+        with K.use_path("amx"):
+            assert K.get_path() == "amx"
+    else:
+        with pytest.raises(ValueError, match="not supported"):
+            K.set_path("amx")
 
 
 def test_pool_survives_fork():

@@ -1,0 +1,248 @@
+/* W8 (group-32) x bf16 GEMM on AMX-BF16: the linear layers at M >= AMX_MIN_M on CPUs with AMX.
+ *
+ * Why a second numeric contract: `vpdpwssd` (int16 x int16) is the VNNI kernels' limit, ~32 MACs
+ * a cycle; one AMX tile product (`tdpbf16ps`, 16 x 16 x 32) does 8192.  The weights enter
+ * exactly (int8 values are exact in bf16) and each 32-k group is one tile product, so the
+ * per-(channel, group) fp16 scales stay in fp32 as in gemm16.c; only the activations round to
+ * bf16 (8-bit mantissa, round to nearest even).  Simulated on SmolLM2 that keeps teacher-forced
+ * top-1 agreement with fp32 at 98.2% (int16: 98.2%; scaling the weights into bf16 instead: 97.6%).
+ *   y[i][j] = mult * sum_g s[j][g] * (sum_{k in g} bf16(x[i][k]) * q[j][k])   (+ bias, + y)
+ * with each group's inner sum in fp32 inside the tile unit (its order is the hardware's), then
+ * one fp32 FMA per group in order.  Results differ from the int16 paths by bf16 rounding; they do
+ * not depend on the thread count.
+ *
+ * Tiles: A = 16 rows x 32 bf16 of x (rows padded to 16 with zeros), B = the 16 pair-rows of one
+ * packed block-group (gemm16.c's layout, 16 channels x 2 k per pair-row, is AMX's B layout once
+ * each int8 is widened to bf16), C = 16 x 16 fp32.  A task takes a unit (two blocks, 32 channels)
+ * over a range of rows: the unit's weights are widened to bf16 once into thread-local scratch,
+ * then for every 32 rows and group: 4 tile products into zeroed C tiles, which are stored and
+ * folded into fp32 accumulators with the group scales. */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "common.h"
+
+#define AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
+#define GK 32
+#define NB 16
+#define GBYTES (GK * NB)
+#define MT 32 /* rows per register pass: two A tiles */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
+    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+
+int shmk_amx_available(void) {
+    static int cached = -1;
+    if (cached >= 0) return cached;
+    unsigned r7[4], r71[4];
+    cpuid(0, 0, r7);
+    if (r7[0] < 7) return cached = 0;
+    cpuid(7, 0, r7);
+    cpuid(7, 1, r71);
+    const int amx_bf16 = (r7[3] >> 22) & 1, amx_tile = (r7[3] >> 24) & 1;
+    const int avx512_bf16 = (r71[0] >> 5) & 1;
+    if (!(amx_bf16 && amx_tile && avx512_bf16)) return cached = 0;
+    /* NOTE: Linux hands out the tile state only on request (once per process, before any
+     * thread uses it); without this the first tile instruction faults. */
+    return cached = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* NOTE: loaded at every task: other code on the same thread (oneDNN inside torch runs on the
+ * caller's thread) may have replaced or released the configuration since our last task. */
+AMX_FN static void load_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+typedef struct {
+    const uint16_t *xb; /* bf16 [mp][kp], rows past m zero */
+    int64_t m, kp, G, n, nb, nunits, units_per_task, rows_per_task, mtasks;
+    const int8_t *packed;
+    const uint16_t *scales;
+    float mult;
+    const float *bias;
+    float *y;
+    int accumulate;
+    const float *x; /* conversion stage */
+    int64_t k, rows_per_ctask;
+} amx_ctx;
+
+/* 32 floats -> 32 bf16 (round to nearest even; what the tile unit is fed) */
+AMX_FN static inline void to_bf16_32(uint16_t *dst, const float *src) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    _mm512_storeu_si512((void *)dst, (__m512i)v);
+}
+
+/* bf16 rows of x, zero padded to kp columns; rows m .. mp-1 all zero */
+AMX_FN static void convert_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const amx_ctx *c = vctx;
+    const int64_t mp = shmk_cdiv(c->m, 16) * 16;
+    int64_t i0 = task * c->rows_per_ctask, i1 = i0 + c->rows_per_ctask;
+    if (i1 > mp) i1 = mp;
+    uint16_t *xb = (uint16_t *)c->xb;
+    for (int64_t i = i0; i < i1; i++) {
+        uint16_t *dst = xb + i * c->kp;
+        if (i >= c->m) {
+            memset(dst, 0, (size_t)c->kp * sizeof(uint16_t));
+            continue;
+        }
+        const float *src = c->x + i * c->k;
+        int64_t kk = 0;
+        for (; kk + 32 <= c->k; kk += 32) to_bf16_32(dst + kk, src + kk);
+        if (kk < c->kp) { /* the tail through a zero-padded copy: same rounding as the rest */
+            float tail[32] = {0};
+            memcpy(tail, src + kk, (size_t)(c->k - kk) * sizeof(float));
+            to_bf16_32(dst + kk, tail);
+        }
+    }
+}
+
+/* the unit's blocks (nblk = 1 or 2) widened to bf16: wb[b][g] = 16 pair-rows x 64 bytes */
+AMX_FN static void widen_unit(const amx_ctx *c, int64_t blk, int nblk, uint16_t *wb) {
+    for (int b = 0; b < nblk; b++)
+        for (int64_t g = 0; g < c->G; g++) {
+            const int8_t *src = c->packed + ((blk + b) * c->G + g) * GBYTES;
+            uint16_t *dst = wb + ((int64_t)b * c->G + g) * GBYTES;
+            for (int pr = 0; pr < 16; pr++) {
+                const __m512 lo = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + pr * 32))));
+                const __m512 hi = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + pr * 32 + 16))));
+                _mm512_storeu_si512((void *)(dst + pr * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+}
+
+/* y rows r0 .. r0+nrow-1 (< m) of channels blk*16 .. from acc[r][b*16 ..] */
+AMX_FN static void store_rows(const amx_ctx *c, int64_t blk, int nblk, int64_t r0, int nrow,
+                              const float *acc) {
+    const __m512 mult = _mm512_set1_ps(c->mult);
+    for (int b = 0; b < nblk; b++) {
+        const int64_t j0 = (blk + b) * NB;
+        const int64_t ncols = c->n - j0 < NB ? c->n - j0 : NB;
+        const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
+        const __m512 bias =
+            c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + j0) : _mm512_setzero_ps();
+        for (int r = 0; r < nrow; r++) {
+            float *y = c->y + (r0 + r) * c->n + j0;
+            __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(acc + r * 32 + b * 16), mult), bias);
+            if (c->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
+            _mm512_mask_storeu_ps(y, mask, v);
+        }
+    }
+}
+
+/* NOTE: the tile numbers are immediates: A tiles 0-1, B tiles 2-3, C tiles 4-7. */
+AMX_FN static void unit_rows(const amx_ctx *c, int64_t blk, int nblk, const uint16_t *wb,
+                             int64_t r0, int two_a, float *acc, float *cbuf) {
+    memset(acc, 0, MT * 32 * sizeof(float));
+    const int64_t G = c->G, stride = c->kp * (int64_t)sizeof(uint16_t);
+    for (int64_t g = 0; g < G; g++) {
+        const uint16_t *a = c->xb + r0 * c->kp + g * GK;
+        _tile_loadd(0, a, stride);
+        _tile_loadd(2, wb + g * GBYTES, 64);
+        _tile_zero(4);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_stored(4, cbuf, 64);
+        if (nblk == 2) {
+            _tile_loadd(3, wb + (G + g) * GBYTES, 64);
+            _tile_zero(5);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_stored(5, cbuf + 256, 64);
+        }
+        if (two_a) {
+            _tile_loadd(1, a + 16 * c->kp, stride);
+            _tile_zero(6);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_stored(6, cbuf + 512, 64);
+            if (nblk == 2) {
+                _tile_zero(7);
+                _tile_dpbf16ps(7, 1, 3);
+                _tile_stored(7, cbuf + 768, 64);
+            }
+        }
+        for (int b = 0; b < nblk; b++) {
+            const __m512 s = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(c->scales + ((blk + b) * G + g) * NB)));
+            for (int h = 0; h < (two_a ? 2 : 1); h++)
+                for (int r = 0; r < 16; r++) {
+                    float *o = acc + (h * 16 + r) * 32 + b * 16;
+                    const float *t = cbuf + (h * 2 + b) * 256 + r * 16;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(t), s, _mm512_loadu_ps(o)));
+                }
+        }
+    }
+}
+
+AMX_FN static void amx_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const amx_ctx *c = vctx;
+    const int64_t mt = task % c->mtasks, nt = task / c->mtasks;
+    int64_t u0 = nt * c->units_per_task, u1 = u0 + c->units_per_task;
+    int64_t i0 = mt * c->rows_per_task, i1 = i0 + c->rows_per_task;
+    if (u1 > c->nunits) u1 = c->nunits;
+    if (i1 > c->m) i1 = c->m;
+    uint16_t *wb = shmk_scratch(6, (size_t)(2 * c->G * GBYTES) * sizeof(uint16_t));
+    float *acc = shmk_scratch(7, (size_t)(MT * 32 + 4 * 256) * sizeof(float));
+    float *cbuf = acc + MT * 32;
+    load_tiles();
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t blk = 2 * u;
+        const int nblk = blk + 1 < c->nb ? 2 : 1;
+        /* NOTE: the next unit's weights (past the last unit: dropped, never a fault) come into
+         * L2 while this one is computed; with the model's cold weights the widening would
+         * otherwise wait on memory every unit. */
+        const char *next = (const char *)(c->packed + (blk + 2) * c->G * GBYTES);
+        for (int64_t off = 0; off < 2 * c->G * GBYTES; off += 64)
+            _mm_prefetch(next + off, _MM_HINT_T1);
+        const char *next_s = (const char *)(c->scales + (blk + 2) * c->G * NB);
+        for (int64_t off = 0; off < 2 * c->G * NB * 2; off += 64)
+            _mm_prefetch(next_s + off, _MM_HINT_T1);
+        widen_unit(c, blk, nblk, wb);
+        for (int64_t r0 = i0; r0 < i1; r0 += MT) {
+            const int64_t rows = i1 - r0 < MT ? i1 - r0 : MT;
+            unit_rows(c, blk, nblk, wb, r0, rows > 16, acc, cbuf);
+            store_rows(c, blk, nblk, r0, (int)rows, acc);
+        }
+    }
+    _tile_release();
+}
+
+void shmk_linear_amx(const shmk_linear_t *w, const float *x, int64_t m, float *y,
+                     int accumulate) {
+    amx_ctx c;
+    memset(&c, 0, sizeof c);
+    c.m = m, c.k = w->k, c.kp = shmk_cdiv(w->k, GK) * GK, c.G = c.kp / GK, c.n = w->n;
+    c.nb = shmk_cdiv(c.n, NB), c.nunits = shmk_cdiv(c.nb, 2);
+    c.packed = w->packed, c.scales = w->scales, c.mult = w->scale_mult, c.bias = w->bias;
+    c.y = y, c.accumulate = accumulate, c.x = x;
+    const int64_t mp = shmk_cdiv(m, 16) * 16;
+    const int nth = shmk_threads();
+    /* NOTE: the caller's scratch slot 0 holds the bf16 rows; tasks only read it. */
+    c.xb = shmk_scratch(0, (size_t)(mp * c.kp) * sizeof(uint16_t));
+    c.rows_per_ctask = shmk_cdiv(mp, 4 * nth);
+    shmk_parallel(convert_task, &c, shmk_cdiv(mp, c.rows_per_ctask));
+    /* rows: all of them in one task up to 128 (a unit's weights are widened once), else 64 */
+    c.rows_per_task = m <= 128 ? m : 64;
+    c.mtasks = shmk_cdiv(m, c.rows_per_task);
+    int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c.mtasks);
+    c.units_per_task = shmk_cdiv(c.nunits, nchunks);
+    shmk_parallel(amx_task, &c, shmk_cdiv(c.nunits, c.units_per_task) * c.mtasks);
+}
