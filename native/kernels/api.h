@@ -112,5 +112,8 @@ typedef struct {
  *   h += o(attn(rope(qkv(rms(h))))) ; h += down(silu_mul(gate_up(rms(h)))) */
 void shmk_llama_layer_forward(const shmk_layer_t *layer, const shmk_step_t *step, float *hidden,
                               const shmk_kv_t *kv);
+/* layers[0..n) in order, layer i with kv[i]: a whole model step in one call */
+void shmk_llama_forward(const shmk_layer_t *layers, const shmk_kv_t *kv, int64_t n,
+                        const shmk_step_t *step, float *hidden);
 
 #endif

@@ -23,3 +23,8 @@ void shmk_llama_layer_forward(const shmk_layer_t *L, const shmk_step_t *S, float
     shmk_silu_mul(S->gate_up, t, L->ffn, S->act);
     lin(&L->down, S->act, t, hidden, 1); /* hidden += down_proj(act) */
 }
+
+void shmk_llama_forward(const shmk_layer_t *layers, const shmk_kv_t *kv, int64_t n,
+                        const shmk_step_t *step, float *hidden) {
+    for (int64_t i = 0; i < n; i++) shmk_llama_layer_forward(&layers[i], step, hidden, &kv[i]);
+}

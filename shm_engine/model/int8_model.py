@@ -77,6 +77,7 @@ class Int8Llama:
         self.cos_sin = kernels.rope_cos_sin(c.inv_freq(), c.max_position_embeddings)
         self.scale = c.head_dim**-0.5
         self._scratch: kernels.LayerScratch | None = None
+        self._stack: kernels.LlamaStack | None = None
 
     def _pack_layer(self, w: Mapping[str, torch.Tensor], i: int) -> kernels.LlamaLayer:
         c = self.config
@@ -125,6 +126,17 @@ class Int8Llama:
             s = self._scratch = kernels.LayerScratch(self.layers[0], size)
         return s
 
+    def _stack_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> kernels.LlamaStack:
+        # The runner passes the same cache list every step: check and convert it once.
+        s = self._stack
+        if (
+            s is None
+            or len(s.kv_caches) != len(kv_caches)
+            or any(a is not b for a, b in zip(s.kv_caches, kv_caches, strict=True))
+        ):
+            s = self._stack = kernels.LlamaStack(self.layers, kv_caches)
+        return s
+
     @torch.inference_mode()
     def forward(
         self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -147,8 +159,7 @@ class Int8Llama:
             scale=self.scale,
             scratch=self._scratch_for(batch.num_tokens),
         )
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            kernels.llama_layer_forward(layer, step, hidden, k_cache, v_cache)
+        kernels.llama_forward(self._stack_for(kv_caches), step, hidden)
         x = hidden[batch.logits_indices].contiguous()
         x = kernels.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
         return kernels.linear(x, self.lm_head)

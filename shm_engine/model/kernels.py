@@ -53,6 +53,8 @@ __all__ = [
     "get_path",
     "group_dots",
     "linear",
+    "LlamaStack",
+    "llama_forward",
     "llama_layer_forward",
     "padded_k",
     "paged_attention",
@@ -664,3 +666,49 @@ def llama_layer_forward(
     ):
         raise ValueError("step scratch was sized for a different layer shape")
     lib.shmk_llama_layer_forward(layer._c, step._c, _f32(hidden), _kv_struct(k_cache, v_cache))
+
+
+class LlamaStack:
+    """A model's layers with their KV caches as C arrays, checked once, for ``llama_forward``.
+
+    Build it when the caches are allocated and reuse it every step: a step then crosses into C
+    once instead of once per layer, without re-checking 2 x num_layers cache tensors (~10 us a
+    layer of Python)."""
+
+    def __init__(
+        self, layers: Sequence[LlamaLayer], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ):
+        if len(layers) != len(kv_caches) or not layers:
+            raise ValueError(f"{len(layers)} layers but {len(kv_caches)} k/v cache pairs")
+        n = len(layers)
+        self.layers, self.kv_caches = list(layers), list(kv_caches)
+        self._layers = ffi.new("shmk_layer_t[]", n)
+        self._kv = ffi.new("shmk_kv_t[]", n)
+        shapes = set()
+        for i, (layer, (k_cache, v_cache)) in enumerate(
+            zip(self.layers, self.kv_caches, strict=True)
+        ):
+            nb, hk, bs, d = _check_cache(k_cache, v_cache)
+            if (hk, d) != (layer.num_kv_heads, layer.head_dim):
+                raise ValueError(f"layer {i}: cache heads/dim {(hk, d)} do not fit the layer")
+            dims = (layer.hidden, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.ffn)
+            shapes.add((nb, bs, dims))
+            self._layers[i] = layer._c[0]
+            self._kv[i] = _kv_struct(k_cache, v_cache)[0]
+        if len(shapes) != 1:
+            raise ValueError("all layers must share one shape and one cache geometry")
+        ((self.num_blocks, self.block_size, self.dims),) = shapes
+        self.hidden = self.layers[0].hidden
+
+
+def llama_forward(stack: LlamaStack, step: LayerStep, hidden: torch.Tensor) -> None:
+    """Every layer of ``stack`` in order, in one native call; ``hidden`` [t, hidden] in place."""
+    if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+        raise ValueError("hidden must be a contiguous float32 tensor")
+    if tuple(hidden.shape) != (step.t, stack.hidden):
+        raise ValueError(f"hidden must be [{step.t}, {stack.hidden}], got {tuple(hidden.shape)}")
+    if (step.num_blocks, step.block_size) != (stack.num_blocks, stack.block_size):
+        raise ValueError("the step was built for another cache geometry")
+    if step.scratch.dims != stack.dims:
+        raise ValueError("step scratch was sized for a different layer shape")
+    lib.shmk_llama_forward(stack._layers, stack._kv, len(stack.layers), step._c, _f32(hidden))

@@ -282,3 +282,41 @@ def test_fused_layer_matches_primitives(bias, dtype):
     assert torch.equal(h, ref)
     with pytest.raises(ValueError, match="hidden"):
         K.llama_layer_forward(layer, step, h[:-1].contiguous(), kc, vc)
+
+
+def test_llama_forward_is_the_layers_in_order():
+    """One native call for a stack of layers == llama_layer_forward layer by layer."""
+    layers = [make_layer(s) for s in (5, 6, 7)]
+    hq, hk, d, bs = 4, 2, 16, 8
+    seqs = [(21, 1), (30, 9)]
+    caches, meta = [], None
+    for i in range(len(layers)):
+        _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=20 + i)
+        caches.append((kc, vc))
+    t = sum(ql for _, ql in seqs)
+    pos = torch.cat([torch.arange(s - ql, s) for s, ql in seqs])
+    slots = torch.cat(
+        [
+            meta["block_table"][b, p // bs].long() * bs + p % bs
+            for b, p in enumerate(torch.arange(s - ql, s) for s, ql in seqs)
+        ]
+    )
+    step = K.LayerStep(
+        positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64),
+        num_blocks=caches[0][0].shape[0], block_size=bs, scale=d**-0.5,
+        scratch=K.LayerScratch(layers[0], max_tokens=16), **meta,
+    )  # fmt: skip
+    hidden = torch.randn(t, 64, generator=gen(3))
+    copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    want = hidden.clone()
+    for layer, (kc, vc) in zip(layers, copies, strict=True):
+        K.llama_layer_forward(layer, step, want, kc, vc)
+    got = hidden.clone()
+    K.llama_forward(K.LlamaStack(layers, caches), step, got)
+    assert torch.equal(got, want)
+    for (kc, vc), (kc2, vc2) in zip(caches, copies, strict=True):
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    with pytest.raises(ValueError, match="cache pairs"):
+        K.LlamaStack(layers, caches[:2])
+    with pytest.raises(ValueError, match="hidden"):
+        K.llama_forward(K.LlamaStack(layers, caches), step, got[:-1].contiguous())
