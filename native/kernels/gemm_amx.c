@@ -206,9 +206,9 @@ AMX_FN static void amx_task(void *vctx, int64_t task, int tid) {
     for (int64_t u = u0; u < u1; u++) {
         const int64_t blk = 2 * u;
         const int nblk = blk + 1 < c->nb ? 2 : 1;
-        /* NOTE: the next unit's weights (past the last unit: dropped, never a fault) come into
-         * L2 while this one is computed; with the model's cold weights the widening would
-         * otherwise wait on memory every unit. */
+        /* NOTE: the next unit's weights and scales come into L2 while this one is computed
+         * (past the last unit the prefetches are dropped, never a fault); with the model's cold
+         * weights the widening would otherwise wait on memory every unit. */
         const char *next = (const char *)(c->packed + (blk + 2) * c->G * GBYTES);
         for (int64_t off = 0; off < 2 * c->G * GBYTES; off += 64)
             _mm_prefetch(next + off, _MM_HINT_T1);
