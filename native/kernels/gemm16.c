@@ -29,9 +29,6 @@
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
-#define GK 32              /* k per scale group */
-#define NB 16              /* channels per block */
-#define GBYTES (GK * NB)   /* bytes of one block-group */
 #define PF_DIST 1024       /* software prefetch distance in a block stream (bytes) */
 
 /* ------------------------------------------------------------------ dispatch */

@@ -26,9 +26,6 @@
 #include "common.h"
 
 #define AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
-#define GK 32
-#define NB 16
-#define GBYTES (GK * NB)
 #define MT 32 /* rows per register pass: two A tiles */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023

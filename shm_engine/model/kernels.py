@@ -184,8 +184,9 @@ class PackedLinear:
     flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias`` (fp32 [n] or None).
     """
 
-    __slots__ = ("n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16")
-    __slots__ += ("_c",)
+    __slots__ = (
+        "n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16", "_c",
+    )  # fmt: skip
 
     def __init__(self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True):
         self.n, self.k, self.kp = int(n), int(k), padded_k(k)
@@ -650,22 +651,7 @@ def llama_layer_forward(
     hidden += o_proj(attn(rope(qkv(rmsnorm(hidden)))));  hidden += down(silu*up(rmsnorm(hidden))).
     The new k/v of the step's tokens are written to the caches at ``slot_mapping`` first.
     """
-    if hidden.dtype != torch.float32 or not hidden.is_contiguous():
-        raise ValueError("hidden must be a contiguous float32 tensor")
-    if tuple(hidden.shape) != (step.t, layer.hidden):
-        raise ValueError(f"hidden must be [{step.t}, {layer.hidden}], got {tuple(hidden.shape)}")
-    shape = (step.num_blocks, layer.num_kv_heads, step.block_size, layer.head_dim)
-    if _check_cache(k_cache, v_cache) != shape:
-        raise ValueError(f"k_cache / v_cache must have shape {shape}, got {tuple(k_cache.shape)}")
-    if step.scratch.dims != (
-        layer.hidden,
-        layer.num_heads,
-        layer.num_kv_heads,
-        layer.head_dim,
-        layer.ffn,
-    ):
-        raise ValueError("step scratch was sized for a different layer shape")
-    lib.shmk_llama_layer_forward(layer._c, step._c, _f32(hidden), _kv_struct(k_cache, v_cache))
+    llama_forward(LlamaStack([layer], [(k_cache, v_cache)]), step, hidden)
 
 
 class LlamaStack:
