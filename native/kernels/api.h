@@ -35,7 +35,8 @@ typedef struct {
     float scale_mult;
     const float *bias; /* may be NULL */
     /* 1: on AMX machines, calls of >= 24 rows may round the activations to bf16 (gemm_amx.c);
-     * 0: always int16 activations (for inputs whose range bf16 serves badly) */
+     * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
+     * those run on int8 tiles from 16 rows, with the same results: gemm_amx8.c) */
     int act_bf16;
 } shmk_linear_t;
 

@@ -6,9 +6,12 @@
 
 #include "api.h"
 
-/* AMX: the VNNI kernels, except linear layers of >= SHMK_AMX_MIN_M rows (gemm_amx.c) */
+/* AMX: the VNNI kernels, except linear layers of >= SHMK_AMX_MIN_M rows with act_bf16 weights
+ * (bf16 tiles, gemm_amx.c) and the others of >= SHMK_AMX8_MIN_M rows (int8 tiles, exact:
+ * gemm_amx8.c) */
 enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
 #define SHMK_AMX_MIN_M 24
+#define SHMK_AMX8_MIN_M 16
 
 /* Packed weight layout shared by gemm16.c (which documents it) and gemm_amx.c. */
 #define GK 32            /* k per scale group */
@@ -34,6 +37,11 @@ void *shmk_scratch(int slot, size_t bytes);
 int shmk_amx_available(void);
 /* y (+)= linear(x) on AMX tiles (bf16 activations; see gemm_amx.c) */
 void shmk_linear_amx(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
+
+/* y (+)= linear(x) on AMX-INT8 tiles (exact: path "vnni"'s results; see gemm_amx8.c) */
+void shmk_linear_amx8(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
+/* one row of x -> per-row symmetric int16 (zero padded to kp) and its scale; see gemm16.c */
+void shmk_quant_row(const float *x, int64_t k, int64_t kp, int16_t *q, float *s);
 
 /* GEMM internal reused by the fused layer: y (+)= linear(x). */
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);

@@ -213,6 +213,10 @@ static void quant_row(int path, const float *x, int64_t k, int64_t kp, int16_t *
         quant_row_portable(x, k, kp, q, s);
 }
 
+void shmk_quant_row(const float *x, int64_t k, int64_t kp, int16_t *q, float *s) {
+    quant_row(shmk_path(), x, k, kp, q, s);
+}
+
 void shmk_quantize_rows(const float *x, int64_t m, int64_t k, int16_t *xq, float *scales) {
     int path = shmk_path();
     int64_t kp = shmk_padded_k(k);
@@ -605,6 +609,10 @@ void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *
     if (m <= 0 || w->n <= 0) return;
     if (shmk_path() == SHMK_AMX && m >= SHMK_AMX_MIN_M && w->act_bf16) {
         shmk_linear_amx(w, x, m, y, accumulate);
+        return;
+    }
+    if (shmk_path() == SHMK_AMX && m >= SHMK_AMX8_MIN_M) {
+        shmk_linear_amx8(w, x, m, y, accumulate);
         return;
     }
     gemm_ctx c;

@@ -44,8 +44,9 @@ int shmk_amx_available(void) {
     cpuid(7, 0, r7);
     cpuid(7, 1, r71);
     const int amx_bf16 = (r7[3] >> 22) & 1, amx_tile = (r7[3] >> 24) & 1;
+    const int amx_int8 = (r7[3] >> 25) & 1;
     const int avx512_bf16 = (r71[0] >> 5) & 1;
-    if (!(amx_bf16 && amx_tile && avx512_bf16)) return cached = 0;
+    if (!(amx_bf16 && amx_int8 && amx_tile && avx512_bf16)) return cached = 0;
     /* NOTE: Linux hands out the tile state only on request (once per process, before any
      * thread uses it); without this the first tile instruction faults. */
     return cached = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;

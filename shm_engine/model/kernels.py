@@ -19,11 +19,13 @@ thread counts agree bit for bit:
   ``vpmaddwd``), then ``acc = fma(float(dot), s_g, acc)`` over the groups in order;
 * ``y = acc * (sx * scale_mult) + bias``.
 
-Path "amx" (CPUs with AMX-BF16; the best path there) runs everything as "vnni" except linear
-calls of >= 24 rows whose weight has ``act_bf16`` (the default): those round the activations to
-bf16 (nearest even) instead of int16 and run on AMX tiles (native/kernels/gemm_amx.c), with the
-weights entering exactly and the group scales applied in fp32 as above. Those results differ from
-the other paths by the bf16 rounding; they still do not depend on the thread count.
+Path "amx" (CPUs with AMX-BF16 and AMX-INT8; the best path there) runs everything as "vnni"
+except linear calls of >= 16 rows. Those of >= 24 rows whose weight has ``act_bf16`` (the
+default) round the activations to bf16 (nearest even) instead of int16 and run on bf16 tiles
+(native/kernels/gemm_amx.c), with the weights entering exactly and the group scales applied in
+fp32 as above; their results differ from the other paths by the bf16 rounding. The rest run on
+int8 tiles (native/kernels/gemm_amx8.c) with exactly "vnni"'s results. Nothing depends on the
+thread count.
 
 KV cache layout (per layer): ``k_cache, v_cache: [num_blocks, Hkv, block_size, D]``, float32 or
 float16 (``KV_DTYPES``; fp16 is rounded to nearest even on write and widened exactly on read, the

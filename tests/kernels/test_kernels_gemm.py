@@ -195,6 +195,27 @@ def test_amx_linear_matches_bf16_reference(bias, m, n, k):
     assert ((y - y16).norm() / y16.norm()).item() < 1e-2
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "m,n,k", [(16, 17, 7), (17, 50, 100), (23, 960, 576), (31, 33, 131), (33, 3072, 64),
+              (130, 576, 1536), (300, 40, 33)],
+)  # fmt: skip
+def test_amx_int8_tiles_match_vnni_bit_for_bit(bias, m, n, k):
+    """Weights without act_bf16 (and any weight below 24 rows) take the AMX-INT8 kernel from 16
+    rows, which promises path "vnni"'s exact numbers (the fused residual add: see
+    test_fused_layer_matches_primitives, whose 22 rows run here)."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g) * 4
+    p = K.PackedLinear.from_float(w, b, act_bf16=False)
+    with K.use_path("vnni"):
+        want = K.linear(x, p)
+    with K.use_path("amx"):
+        assert torch.equal(K.linear(x, p), want)
+
+
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
 def test_amx_only_for_large_m_and_act_bf16_weights():
     g = torch.Generator().manual_seed(5)
@@ -220,7 +241,7 @@ def test_linear_batched_leading_dims_and_out():
     assert K.linear(torch.empty(0, 24), p).shape == (0, 40)
 
 
-@pytest.mark.parametrize("m", [1, 8, 64, 300, 1024])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 300, 1024])
 def test_threads_identical(m):
     g = torch.Generator().manual_seed(m)
     w, x = torch.randn(1000, 300, generator=g), torch.randn(m, 300, generator=g)

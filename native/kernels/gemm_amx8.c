@@ -1,0 +1,239 @@
+/* W8 (group-32) x A16 GEMM on AMX-INT8: exact, the same numbers as the VNNI kernels.
+ *
+ * Why: `vpdpwssd` does 32 MACs an instruction; an AMX int8 tile product does a 16 x 16 x 32
+ * block (8192 MACs) in about one tile-unit slot (~18 cycles measured, whatever the row count).
+ * The int16 activations of gemm16.c split into bytes, x = 256 hi + lo (hi signed, lo unsigned),
+ * so each group's exact int32 dot is 256 (hi . q) + (lo . q): two tile products (`tdpbssd`,
+ * `tdpbusd`) with K = 32, both results stored and combined in int32 (|256 hi.q| <= 2^27, no
+ * overflow).  From there the math is gemm16.c's to the last bit:
+ *   acc = fmaf((float)dot, s[j][g], acc) for g in order;  y = acc * (sx[i] * mult) (+ bias) (+ y)
+ * so path "amx" gives path "vnni"'s results for these calls, and accuracy is not in question.
+ *
+ * Cost per 16 x 16 x 32 block: two products and two tile stores, ~18 and ~17 cycles each
+ * whatever the row count, which the tile unit runs one after another, plus the fold on vector
+ * units, which barely overlaps them (~80 TSC ticks a block measured, ~52 of them tile work).
+ * That beats `vpdpwssd` 1.1-1.5x from 16 rows (8 rows cost what 16 do, so fewer stay on VNNI)
+ * and, unlike the bf16 kernel, needs no int8 -> bf16 widening of the weights.
+ *
+ * Tiles: A_hi, A_lo = 16 rows x 32 bytes (one group of k; rows past m are zero), B = 8 rows x
+ * 64 bytes (16 channels x 4 k, int8 AMX's layout; one vpermw per two pair rows of the packed
+ * layout), C = 16 x 16 int32.  A task takes units (two blocks, 32 channels) over a range of rows:
+ * each unit's B tiles are rearranged once into thread-local scratch, then per block and 16 rows
+ * the groups run in order, two products each stored to one half of a double buffer and folded
+ * into 16 zmm accumulators one group later. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "common.h"
+
+#define AMX8_FN __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
+#define MR 16 /* rows per tile pass */
+
+typedef struct {
+    const int8_t *ah;  /* [mp][kp] high bytes of the int16 activations (signed) */
+    const uint8_t *al; /* [mp][kp] low bytes (unsigned) */
+    const float *sx;   /* [m] row scales */
+    int64_t m, k, kp, G, n, nb, nunits, units_per_task, rows_per_task, mtasks;
+    const int8_t *packed;
+    const uint16_t *scales;
+    float mult;
+    const float *bias;
+    float *y;
+    int accumulate;
+    /* quantisation stage */
+    const float *x;
+    int8_t *ah_w;
+    uint8_t *al_w;
+    float *sx_w;
+    int64_t rows_per_qtask;
+} amx8_ctx;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* NOTE: loaded at every task, as in gemm_amx.c: other code on this thread may have changed it. */
+AMX8_FN static void load_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) cfg.rows[t] = MR, cfg.colsb[t] = GK; /* A: 16 x 32 bytes */
+    for (int t = 2; t < 4; t++) cfg.rows[t] = GK / 4, cfg.colsb[t] = 64; /* B: 8 x 64 bytes */
+    for (int t = 4; t < 8; t++) cfg.rows[t] = MR, cfg.colsb[t] = 64;     /* C: 16 x 16 int32 */
+    _tile_loadconfig(&cfg);
+}
+
+/* rows [i0, i1) of x -> int16 (gemm16.c's rounding) -> high and low bytes; rows >= m zero */
+static void quant_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const amx8_ctx *c = vctx;
+    const int64_t mp = shmk_cdiv(c->m, MR) * MR, kp = c->kp;
+    int64_t i0 = task * c->rows_per_qtask, i1 = i0 + c->rows_per_qtask;
+    if (i1 > mp) i1 = mp;
+    int16_t *row = shmk_scratch(2, (size_t)kp * sizeof(int16_t));
+    for (int64_t i = i0; i < i1; i++) {
+        int8_t *hi = c->ah_w + i * kp;
+        uint8_t *lo = c->al_w + i * kp;
+        if (i >= c->m) {
+            memset(hi, 0, (size_t)kp);
+            memset(lo, 0, (size_t)kp);
+            continue;
+        }
+        shmk_quant_row(c->x + i * c->k, c->k, kp, row, c->sx_w + i);
+        for (int64_t j = 0; j < kp; j++) {
+            hi[j] = (int8_t)(row[j] >> 8); /* arithmetic shift: floor(x / 256) */
+            lo[j] = (uint8_t)(row[j] & 0xff);
+        }
+    }
+}
+
+/* the unit's blocks (nblk = 1 or 2) in int8 AMX's B layout: bq[b][g] = 8 rows x 64 bytes, row r
+ * = 16 channels x k 4r..4r+3, i.e. the packed pair rows 2r and 2r+1 interleaved by channel */
+AMX8_FN static void rearrange_unit(const amx8_ctx *c, int64_t blk, int nblk, int8_t *bq) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int64_t bytes = (int64_t)nblk * c->G * GBYTES;
+    const int8_t *src = c->packed + blk * c->G * GBYTES;
+    for (int64_t off = 0; off < bytes; off += 64)
+        _mm512_storeu_si512((void *)(bq + off),
+                            _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(src + off)));
+}
+
+/* One row of a group's fold: a += s * (256 hi + lo), the int32 sum exact (see above). */
+#define FOLD_ROW(r, a)                                                                         \
+    a = _mm512_fmadd_ps(                                                                       \
+        _mm512_cvtepi32_ps(_mm512_add_epi32(                                                   \
+            _mm512_slli_epi32(_mm512_load_si512(hi + (r) * 16), 8),                            \
+            _mm512_load_si512(lo + (r) * 16))),                                                \
+        s, a)
+#define FOLD16()                                                                               \
+    do {                                                                                       \
+        FOLD_ROW(0, a0), FOLD_ROW(1, a1), FOLD_ROW(2, a2), FOLD_ROW(3, a3);                    \
+        FOLD_ROW(4, a4), FOLD_ROW(5, a5), FOLD_ROW(6, a6), FOLD_ROW(7, a7);                    \
+        FOLD_ROW(8, a8), FOLD_ROW(9, a9), FOLD_ROW(10, a10), FOLD_ROW(11, a11);                \
+        FOLD_ROW(12, a12), FOLD_ROW(13, a13), FOLD_ROW(14, a14), FOLD_ROW(15, a15);            \
+    } while (0)
+
+/* y rows r0 .. r0+nrow-1 of block blk from the accumulators acc[r][16] */
+AMX8_FN static void store_rows(const amx8_ctx *c, int64_t blk, int64_t r0, int nrow,
+                               const float *acc) {
+    const int64_t j0 = blk * NB;
+    const int64_t ncols = c->n - j0 < NB ? c->n - j0 : NB;
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
+    const __m512 bias =
+        c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + j0) : _mm512_setzero_ps();
+    for (int r = 0; r < nrow; r++) {
+        float *y = c->y + (r0 + r) * c->n + j0;
+        /* gemm16.c's epilogue order: acc * (sx * mult), then + bias, then + y */
+        const __m512 sx = _mm512_set1_ps(c->sx[r0 + r] * c->mult);
+        __m512 v = _mm512_mul_ps(_mm512_load_ps(acc + r * 16), sx);
+        if (c->bias) v = _mm512_add_ps(v, bias);
+        if (c->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
+        _mm512_mask_storeu_ps(y, mask, v);
+    }
+}
+
+/* Rows r0 .. r0+nrow-1 (nrow <= 16) of one block (16 channels, B tiles at bq) over all groups.
+ * Accumulators are 16 named zmm (an array would live on the stack).
+ * NOTE: the tile numbers are immediates: A_hi 0, A_lo 1, B 2, C 4-5 (hi, lo). */
+AMX8_FN static void block_rows(const amx8_ctx *c, int64_t blk, const int8_t *bq, int64_t r0,
+                               int nrow, int prefetch, int32_t *cbuf) {
+    const int64_t G = c->G, kp = c->kp;
+    const uint16_t *scales = c->scales + blk * G * NB;
+    /* NOTE: the weights of the block after next come to L2 a group at a time during the first
+     * row pass (all at once, the prefetches stalled on full miss queues: 12% of the samples). */
+    const char *next = (const char *)(c->packed + (blk + 2) * G * GBYTES);
+    const char *next_s = (const char *)(c->scales + (blk + 2) * G * NB);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+    for (int64_t g = 0; g <= G; g++) {
+        if (g < G) {
+            int32_t *cb = cbuf + (g & 1) * 512;
+            _tile_loadd(0, c->ah + r0 * kp + g * GK, kp);
+            _tile_loadd(1, c->al + r0 * kp + g * GK, kp);
+            _tile_loadd(2, bq + g * GBYTES, 64);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_dpbssd(4, 0, 2);
+            _tile_dpbusd(5, 1, 2);
+            _tile_stored(4, cb, 64);
+            _tile_stored(5, cb + 256, 64);
+            if (prefetch) {
+                for (int64_t off = 0; off < GBYTES; off += 64)
+                    _mm_prefetch(next + g * GBYTES + off, _MM_HINT_T1);
+                if (g % 2 == 0) _mm_prefetch(next_s + g * 32, _MM_HINT_T1);
+            }
+        }
+        /* NOTE: the previous group's fold reads the other half of cbuf, so it depends on no
+         * tile instruction of this group and may run beside them.  (Placing it before this
+         * group's stores measured the same.) */
+        if (g > 0) {
+            const int32_t *hi = cbuf + ((g - 1) & 1) * 512, *lo = hi + 256;
+            const __m512 s = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(scales + (g - 1) * NB)));
+            FOLD16();
+        }
+    }
+    float acc[MR * 16] __attribute__((aligned(64)));
+    _mm512_store_ps(acc, a0), _mm512_store_ps(acc + 16, a1), _mm512_store_ps(acc + 32, a2);
+    _mm512_store_ps(acc + 48, a3), _mm512_store_ps(acc + 64, a4);
+    _mm512_store_ps(acc + 80, a5), _mm512_store_ps(acc + 96, a6);
+    _mm512_store_ps(acc + 112, a7), _mm512_store_ps(acc + 128, a8);
+    _mm512_store_ps(acc + 144, a9), _mm512_store_ps(acc + 160, a10);
+    _mm512_store_ps(acc + 176, a11), _mm512_store_ps(acc + 192, a12);
+    _mm512_store_ps(acc + 208, a13), _mm512_store_ps(acc + 224, a14);
+    _mm512_store_ps(acc + 240, a15);
+    store_rows(c, blk, r0, nrow, acc);
+}
+
+AMX8_FN static void amx8_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const amx8_ctx *c = vctx;
+    const int64_t mt = task % c->mtasks, nt = task / c->mtasks;
+    int64_t u0 = nt * c->units_per_task, u1 = u0 + c->units_per_task;
+    int64_t i0 = mt * c->rows_per_task, i1 = i0 + c->rows_per_task;
+    if (u1 > c->nunits) u1 = c->nunits;
+    if (i1 > c->m) i1 = c->m;
+    int8_t *bq = shmk_scratch(6, (size_t)(2 * c->G * GBYTES));
+    int32_t *cbuf = shmk_scratch(7, 2 * 512 * sizeof(int32_t));
+    load_tiles();
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t blk = 2 * u;
+        const int nblk = blk + 1 < c->nb ? 2 : 1;
+        rearrange_unit(c, blk, nblk, bq);
+        for (int b = 0; b < nblk; b++)
+            for (int64_t r0 = i0; r0 < i1; r0 += MR) {
+                const int64_t rows = i1 - r0 < MR ? i1 - r0 : MR;
+                block_rows(c, blk + b, bq + b * c->G * GBYTES, r0, (int)rows, r0 == i0, cbuf);
+            }
+    }
+    _tile_release();
+}
+
+void shmk_linear_amx8(const shmk_linear_t *w, const float *x, int64_t m, float *y,
+                      int accumulate) {
+    amx8_ctx c;
+    memset(&c, 0, sizeof c);
+    c.m = m, c.k = w->k, c.kp = shmk_padded_k(w->k), c.G = c.kp / GK, c.n = w->n;
+    c.nb = shmk_cdiv(c.n, NB), c.nunits = shmk_cdiv(c.nb, 2);
+    c.packed = w->packed, c.scales = w->scales, c.mult = w->scale_mult, c.bias = w->bias;
+    c.y = y, c.accumulate = accumulate, c.x = x;
+    const int64_t mp = shmk_cdiv(m, MR) * MR;
+    const int nth = shmk_threads();
+    /* NOTE: the caller's scratch slots 0 and 1 hold the activation bytes and row scales;
+     * tasks only read them. */
+    int8_t *bytes = shmk_scratch(0, (size_t)(2 * mp * c.kp));
+    c.ah = c.ah_w = bytes;
+    c.al = c.al_w = (uint8_t *)(bytes + mp * c.kp);
+    c.sx = c.sx_w = shmk_scratch(1, (size_t)m * sizeof(float));
+    c.rows_per_qtask = shmk_cdiv(mp, 4 * nth);
+    shmk_parallel(quant_task, &c, shmk_cdiv(mp, c.rows_per_qtask));
+    /* rows: all of them in one task up to 128 (a unit is rearranged once), else 64 */
+    c.rows_per_task = m <= 128 ? m : 64;
+    c.mtasks = shmk_cdiv(m, c.rows_per_task);
+    int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c.mtasks);
+    c.units_per_task = shmk_cdiv(c.nunits, nchunks);
+    shmk_parallel(amx8_task, &c, shmk_cdiv(c.nunits, c.units_per_task) * c.mtasks);
+}
