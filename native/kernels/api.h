@@ -34,7 +34,7 @@ typedef struct {
     const uint16_t *scales;
     float scale_mult;
     const float *bias; /* may be NULL */
-    /* 1: on AMX machines, calls of >= 24 rows may round the activations to bf16 (gemm_amx.c);
+    /* 1: on AMX machines, calls of >= 17 rows may round the activations to bf16 (gemm_amx.c);
      * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
      * those run on int8 tiles from 16 rows, with the same results: gemm_amx8.c) */
     int act_bf16;

@@ -10,7 +10,7 @@
  * (bf16 tiles, gemm_amx.c) and the others of >= SHMK_AMX8_MIN_M rows (int8 tiles, exact:
  * gemm_amx8.c) */
 enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
-#define SHMK_AMX_MIN_M 24
+#define SHMK_AMX_MIN_M 17
 #define SHMK_AMX8_MIN_M 16
 
 /* Packed weight layout shared by gemm16.c (which documents it) and gemm_amx.c. */

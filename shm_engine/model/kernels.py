@@ -20,7 +20,7 @@ thread counts agree bit for bit:
 * ``y = acc * (sx * scale_mult) + bias``.
 
 Path "amx" (CPUs with AMX-BF16 and AMX-INT8; the best path there) runs everything as "vnni"
-except linear calls of >= 16 rows. Those of >= 24 rows whose weight has ``act_bf16`` (the
+except linear calls of >= 16 rows. Those of >= 17 rows whose weight has ``act_bf16`` (the
 default) round the activations to bf16 (nearest even) instead of int16 and run on bf16 tiles
 (native/kernels/gemm_amx.c), with the weights entering exactly and the group scales applied in
 fp32 as above; their results differ from the other paths by the bf16 rounding. The rest run on

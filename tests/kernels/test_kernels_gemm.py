@@ -202,8 +202,8 @@ def test_amx_linear_matches_bf16_reference(bias, m, n, k):
               (130, 576, 1536), (300, 40, 33)],
 )  # fmt: skip
 def test_amx_int8_tiles_match_vnni_bit_for_bit(bias, m, n, k):
-    """Weights without act_bf16 (and any weight below 24 rows) take the AMX-INT8 kernel from 16
-    rows, which promises path "vnni"'s exact numbers (the fused residual add: see
+    """Weights without act_bf16 (and any weight at exactly 16 rows) take the AMX-INT8 kernel from
+    16 rows, which promises path "vnni"'s exact numbers (the fused residual add: see
     test_fused_layer_matches_primitives, whose 22 rows run here)."""
     g = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -222,13 +222,13 @@ def test_amx_only_for_large_m_and_act_bf16_weights():
     w = torch.randn(64, 96, generator=g)
     exact = K.PackedLinear.from_float(w, act_bf16=False)
     fast = K.PackedLinear.from_float(w)
-    for m in (1, 23, 24, 200):
+    for m in (1, 16, 17, 200):
         x = torch.randn(m, 96, generator=g)
         with K.use_path("vnni"):
             want = K.linear(x, exact)
         with K.use_path("amx"):
             assert torch.equal(K.linear(x, exact), want)  # int16 activations whatever m
-            assert torch.equal(K.linear(x, fast), want) == (m < 24)
+            assert torch.equal(K.linear(x, fast), want) == (m < 17)
 
 
 def test_linear_batched_leading_dims_and_out():
