@@ -60,12 +60,25 @@ typedef struct {
 
 /* NOTE: loaded at every task: other code on the same thread (oneDNN inside torch runs on the
  * caller's thread) may have replaced or released the configuration since our last task. */
-AMX_FN static void load_tiles(void) {
+__attribute__((target("amx-tile"))) void shmk_amx_config(const uint8_t rows[8],
+                                                         const uint16_t colsb[8]) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = rows[t], cfg.colsb[t] = colsb[t];
+    /* NOTE: GCC 12 does not see ldtilecfg read cfg and dropped the stores above as dead (the
+     * tile state then faulted); the empty asm makes them visible first. */
+    __asm__ volatile("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
+}
+
+void shmk_amx_split(int64_t m, int64_t nunits, int nth, int64_t *rows_per_task, int64_t *mtasks,
+                    int64_t *units_per_task) {
+    /* rows: all of them in one task up to 128 (a unit's weights are prepared once), else 64 */
+    *rows_per_task = m <= 128 ? m : 64;
+    *mtasks = shmk_cdiv(m, *rows_per_task);
+    const int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, *mtasks);
+    *units_per_task = shmk_cdiv(nunits, nchunks);
 }
 
 typedef struct {
@@ -200,7 +213,9 @@ AMX_FN static void amx_task(void *vctx, int64_t task, int tid) {
     uint16_t *wb = shmk_scratch(6, (size_t)(2 * c->G * GBYTES) * sizeof(uint16_t));
     float *acc = shmk_scratch(7, (size_t)(MT * 32 + 4 * 256) * sizeof(float));
     float *cbuf = acc + MT * 32;
-    load_tiles();
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    shmk_amx_config(rows, colsb);
     for (int64_t u = u0; u < u1; u++) {
         const int64_t blk = 2 * u;
         const int nblk = blk + 1 < c->nb ? 2 : 1;
@@ -237,10 +252,6 @@ void shmk_linear_amx(const shmk_linear_t *w, const float *x, int64_t m, float *y
     c.xb = shmk_scratch(0, (size_t)(mp * c.kp) * sizeof(uint16_t));
     c.rows_per_ctask = shmk_cdiv(mp, 4 * nth);
     shmk_parallel(convert_task, &c, shmk_cdiv(mp, c.rows_per_ctask));
-    /* rows: all of them in one task up to 128 (a unit's weights are widened once), else 64 */
-    c.rows_per_task = m <= 128 ? m : 64;
-    c.mtasks = shmk_cdiv(m, c.rows_per_task);
-    int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c.mtasks);
-    c.units_per_task = shmk_cdiv(c.nunits, nchunks);
+    shmk_amx_split(m, c.nunits, nth, &c.rows_per_task, &c.mtasks, &c.units_per_task);
     shmk_parallel(amx_task, &c, shmk_cdiv(c.nunits, c.units_per_task) * c.mtasks);
 }

@@ -48,23 +48,6 @@ typedef struct {
     int64_t rows_per_qtask;
 } amx8_ctx;
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* NOTE: loaded at every task, as in gemm_amx.c: other code on this thread may have changed it. */
-AMX8_FN static void load_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 2; t++) cfg.rows[t] = MR, cfg.colsb[t] = GK; /* A: 16 x 32 bytes */
-    for (int t = 2; t < 4; t++) cfg.rows[t] = GK / 4, cfg.colsb[t] = 64; /* B: 8 x 64 bytes */
-    for (int t = 4; t < 8; t++) cfg.rows[t] = MR, cfg.colsb[t] = 64;     /* C: 16 x 16 int32 */
-    _tile_loadconfig(&cfg);
-}
-
 /* rows [i0, i1) of x -> int16 (gemm16.c's rounding) -> high and low bytes; rows >= m zero */
 static void quant_task(void *vctx, int64_t task, int tid) {
     (void)tid;
@@ -198,7 +181,10 @@ AMX8_FN static void amx8_task(void *vctx, int64_t task, int tid) {
     if (i1 > c->m) i1 = c->m;
     int8_t *bq = shmk_scratch(6, (size_t)(2 * c->G * GBYTES));
     int32_t *cbuf = shmk_scratch(7, 2 * 512 * sizeof(int32_t));
-    load_tiles();
+    /* A_hi, A_lo: 16 x 32 bytes; B: 8 x 64 bytes; C: 16 x 16 int32 */
+    static const uint8_t rows[8] = {MR, MR, GK / 4, GK / 4, MR, MR, MR, MR};
+    static const uint16_t colsb[8] = {GK, GK, 64, 64, 64, 64, 64, 64};
+    shmk_amx_config(rows, colsb);
     for (int64_t u = u0; u < u1; u++) {
         const int64_t blk = 2 * u;
         const int nblk = blk + 1 < c->nb ? 2 : 1;
@@ -230,10 +216,6 @@ void shmk_linear_amx8(const shmk_linear_t *w, const float *x, int64_t m, float *
     c.sx = c.sx_w = shmk_scratch(1, (size_t)m * sizeof(float));
     c.rows_per_qtask = shmk_cdiv(mp, 4 * nth);
     shmk_parallel(quant_task, &c, shmk_cdiv(mp, c.rows_per_qtask));
-    /* rows: all of them in one task up to 128 (a unit is rearranged once), else 64 */
-    c.rows_per_task = m <= 128 ? m : 64;
-    c.mtasks = shmk_cdiv(m, c.rows_per_task);
-    int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c.mtasks);
-    c.units_per_task = shmk_cdiv(c.nunits, nchunks);
+    shmk_amx_split(m, c.nunits, nth, &c.rows_per_task, &c.mtasks, &c.units_per_task);
     shmk_parallel(amx8_task, &c, shmk_cdiv(c.nunits, c.units_per_task) * c.mtasks);
 }
