@@ -13,7 +13,7 @@ enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
 #define SHMK_AMX_MIN_M 17
 #define SHMK_AMX8_MIN_M 16
 
-/* Packed weight layout shared by gemm16.c (which documents it) and gemm_amx.c. */
+/* Packed weight layout shared by gemm16.c (which documents it), gemm_amx.c and gemm_amx8.c. */
 #define GK 32            /* k per scale group */
 #define NB 16            /* channels per block */
 #define GBYTES (GK * NB) /* bytes of one block-group */
@@ -33,7 +33,8 @@ int shmk_threads(void);
 /* Thread-local growable scratch (64-byte aligned).  slot selects one of a few buffers. */
 void *shmk_scratch(int slot, size_t bytes);
 
-/* AMX-BF16 support, checked once (CPU flags and the kernel's permission for tile state) */
+/* AMX-BF16 and AMX-INT8 support, checked once (CPU flags and the kernel's permission for tile
+ * state) */
 int shmk_amx_available(void);
 /* The AMX tile configuration (palette 1, tiles 0-7), to load at the start of every task. */
 void shmk_amx_config(const uint8_t rows[8], const uint16_t colsb[8]);
