@@ -38,7 +38,7 @@ void *shmk_scratch(int slot, size_t bytes);
 int shmk_amx_available(void);
 /* The AMX tile configuration (palette 1, tiles 0-7), to load at the start of every task. */
 void shmk_amx_config(const uint8_t rows[8], const uint16_t colsb[8]);
-/* AMX GEMM work split: rows per task (all up to 128, else 64) and weight units per task. */
+/* AMX GEMM work split: rows per task (at most 128) and weight units per task. */
 void shmk_amx_split(int64_t m, int64_t nunits, int nth, int64_t *rows_per_task, int64_t *mtasks,
                     int64_t *units_per_task);
 /* y (+)= linear(x) on AMX tiles (bf16 activations; see gemm_amx.c) */
