@@ -696,7 +696,7 @@ void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
             /* NOTE: in a batch of several sequences, a decode token (not an att_rows tile) is
              * one task for all its kv heads: a block's head slabs are adjacent in the cache, so
              * the task's prefetch asks for runs of hk x 2 KB instead of 2 KB pieces (b16 decode
-             * at 256 tokens of context 566-574 -> 588-596 tok/s, b32 at 128 +1-3%, alternated
+             * at 256 tokens of context 553-575 -> 587-596 tok/s, b32 at 128 +1-3%, alternated
              * builds).  Small batches keep a task a head so every thread gets work. */
             if (whole_decode && t1 - t0 == 1) {
                 tasks[n++] = (att_task){(int32_t)s, -1, (int32_t)t0, (int32_t)t1};

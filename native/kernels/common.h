@@ -38,9 +38,21 @@ void *shmk_scratch(int slot, size_t bytes);
 int shmk_amx_available(void);
 /* The AMX tile configuration (palette 1, tiles 0-7), to load at the start of every task. */
 void shmk_amx_config(const uint8_t rows[8], const uint16_t colsb[8]);
-/* AMX GEMM work split: rows per task (at most 128) and weight units per task. */
-void shmk_amx_split(int64_t m, int64_t nunits, int nth, int64_t *rows_per_task, int64_t *mtasks,
-                    int64_t *units_per_task);
+/* AMX GEMM work split over m rows and nunits weight units (two 16-channel blocks each):
+ * tasks = mtasks row ranges x ceil(nunits / units_per_task) unit ranges. */
+typedef struct {
+    int64_t m, nunits, rows_per_task, mtasks, units_per_task, ntasks;
+} shmk_amx_plan;
+shmk_amx_plan shmk_amx_split(int64_t m, int64_t nunits, int nth);
+/* task's units [u0, u1) and rows [i0, i1) */
+static inline void shmk_amx_task(const shmk_amx_plan *p, int64_t task, int64_t *u0, int64_t *u1,
+                                 int64_t *i0, int64_t *i1) {
+    const int64_t mt = task % p->mtasks, nt = task / p->mtasks;
+    *u0 = nt * p->units_per_task, *u1 = *u0 + p->units_per_task;
+    *i0 = mt * p->rows_per_task, *i1 = *i0 + p->rows_per_task;
+    if (*u1 > p->nunits) *u1 = p->nunits;
+    if (*i1 > p->m) *i1 = p->m;
+}
 /* y (+)= linear(x) on AMX tiles (bf16 activations; see gemm_amx.c) */
 void shmk_linear_amx(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
 

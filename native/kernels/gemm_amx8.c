@@ -33,7 +33,8 @@ typedef struct {
     const int8_t *ah;  /* [mp][kp] high bytes of the int16 activations (signed) */
     const uint8_t *al; /* [mp][kp] low bytes (unsigned) */
     const float *sx;   /* [m] row scales */
-    int64_t m, k, kp, G, n, nb, nunits, units_per_task, rows_per_task, mtasks;
+    int64_t m, k, kp, G, n, nb, nunits;
+    shmk_amx_plan plan;
     const int8_t *packed;
     const uint16_t *scales;
     float mult;
@@ -174,11 +175,8 @@ AMX8_FN static void block_rows(const amx8_ctx *c, int64_t blk, const int8_t *bq,
 AMX8_FN static void amx8_task(void *vctx, int64_t task, int tid) {
     (void)tid;
     const amx8_ctx *c = vctx;
-    const int64_t mt = task % c->mtasks, nt = task / c->mtasks;
-    int64_t u0 = nt * c->units_per_task, u1 = u0 + c->units_per_task;
-    int64_t i0 = mt * c->rows_per_task, i1 = i0 + c->rows_per_task;
-    if (u1 > c->nunits) u1 = c->nunits;
-    if (i1 > c->m) i1 = c->m;
+    int64_t u0, u1, i0, i1;
+    shmk_amx_task(&c->plan, task, &u0, &u1, &i0, &i1);
     int8_t *bq = shmk_scratch(6, (size_t)(2 * c->G * GBYTES));
     int32_t *cbuf = shmk_scratch(7, 2 * 512 * sizeof(int32_t));
     /* A_hi, A_lo: 16 x 32 bytes; B: 8 x 64 bytes; C: 16 x 16 int32 */
@@ -216,6 +214,6 @@ void shmk_linear_amx8(const shmk_linear_t *w, const float *x, int64_t m, float *
     c.sx = c.sx_w = shmk_scratch(1, (size_t)m * sizeof(float));
     c.rows_per_qtask = shmk_cdiv(mp, 4 * nth);
     shmk_parallel(quant_task, &c, shmk_cdiv(mp, c.rows_per_qtask));
-    shmk_amx_split(m, c.nunits, nth, &c.rows_per_task, &c.mtasks, &c.units_per_task);
-    shmk_parallel(amx8_task, &c, shmk_cdiv(c.nunits, c.units_per_task) * c.mtasks);
+    c.plan = shmk_amx_split(m, c.nunits, nth);
+    shmk_parallel(amx8_task, &c, c.plan.ntasks);
 }

@@ -204,7 +204,7 @@ def test_amx_linear_matches_bf16_reference(bias, m, n, k):
 def test_amx_int8_tiles_match_vnni_bit_for_bit(bias, m, n, k):
     """Weights without act_bf16 (and any weight at exactly 16 rows) take the AMX-INT8 kernel from
     16 rows, which promises path "vnni"'s exact numbers (the fused residual add: see
-    test_fused_layer_matches_primitives, whose 22 rows run here)."""
+    test_fused_layer_int8_tiles_match_vnni)."""
     g = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None

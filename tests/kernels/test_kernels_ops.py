@@ -213,7 +213,7 @@ def test_attention_validation():
 
 
 # ---------------------------------------------------------------------------- fused layer
-def make_layer(seed, hidden=64, hq=4, hk=2, d=16, ffn=96, bias=False):
+def make_layer(seed, hidden=64, hq=4, hk=2, d=16, ffn=96, bias=False, act_bf16=True):
     g = gen(seed)
 
     def lin(n, k):
@@ -228,10 +228,10 @@ def make_layer(seed, hidden=64, hq=4, hk=2, d=16, ffn=96, bias=False):
     layer = K.LlamaLayer(
         hidden=hidden, num_heads=hq, num_kv_heads=hk, head_dim=d, ffn=ffn, eps=1e-5,
         input_norm=w["ln1"], post_norm=w["ln2"],
-        qkv=K.PackedLinear.from_float(torch.cat([w["q"], w["k"], w["v"]]), qkv_b),
-        o=K.PackedLinear.from_float(w["o"]),
-        gate_up=K.PackedLinear.from_float(torch.cat([w["gate"], w["up"]])),
-        down=K.PackedLinear.from_float(w["down"]),
+        qkv=K.PackedLinear.from_float(torch.cat([w["q"], w["k"], w["v"]]), qkv_b, act_bf16),
+        o=K.PackedLinear.from_float(w["o"], act_bf16=act_bf16),
+        gate_up=K.PackedLinear.from_float(torch.cat([w["gate"], w["up"]]), act_bf16=act_bf16),
+        down=K.PackedLinear.from_float(w["down"], act_bf16=act_bf16),
     )  # fmt: skip
     return layer
 
@@ -282,6 +282,36 @@ def test_fused_layer_matches_primitives(bias, dtype):
     assert torch.equal(h, ref)
     with pytest.raises(ValueError, match="hidden"):
         K.llama_layer_forward(layer, step, h[:-1].contiguous(), kc, vc)
+
+
+@pytest.mark.skipif(K.best_path() != "amx", reason="needs AMX")
+def test_fused_layer_int8_tiles_match_vnni():
+    """With int16-activation weights the AMX path's linears (22 rows: int8 tiles, including the
+    residual adds fused into o and down) give path "vnni"'s layer output bit for bit."""
+    layer = make_layer(9, act_bf16=False)
+    hq, hk, d, bs = 4, 2, 16, 8
+    seqs = [(21, 1), (12, 12), (30, 9)]
+    _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=12)
+    pos = torch.cat([torch.arange(s - ql, s) for s, ql in seqs])
+    slots = torch.cat(
+        [
+            meta["block_table"][b, p // bs].long() * bs + p % bs
+            for b, p in enumerate(torch.arange(s - ql, s) for s, ql in seqs)
+        ]
+    )
+    step = K.LayerStep(
+        positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64),
+        num_blocks=kc.shape[0], block_size=bs, scale=d**-0.5,
+        scratch=K.LayerScratch(layer, max_tokens=64), **meta,
+    )  # fmt: skip
+    hidden = torch.randn(len(pos), 64, generator=gen(3))
+    outs = []
+    for path in ("vnni", "amx"):
+        with K.use_path(path):
+            h = hidden.clone()
+            K.llama_layer_forward(layer, step, h, kc.clone(), vc.clone())
+            outs.append(h)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_llama_forward_is_the_layers_in_order():
