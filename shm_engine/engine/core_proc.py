@@ -5,7 +5,10 @@ Threads:
   eager abort queue, applied right after the model runs so no extra token is produced);
 - the main thread's busy loop: input queue -> EngineCore.step() -> output queue; it blocks on the
   input queue when there is no work, so an idle engine burns no CPU;
-- one output thread: output queue -> encode -> the right client's ring.
+- outputs are encoded and written to the client's ring by whichever thread produced them (the
+  busy loop, mostly): a hand-off to another thread would wait for the GIL behind the next step's
+  Python work. Only when a ring is full does the message go to the output thread, which blocks
+  on it, so a slow client never stalls the busy loop (or the other clients).
 
 A fatal error sends EngineDead to every client before the process exits; SIGTERM/SIGINT shut down
 gracefully (channels closed, so clients see the engine go away at once).
@@ -56,6 +59,7 @@ UTILITY_METHODS: dict[str, type | None] = {
 }
 
 _SHUTDOWN = object()
+_FLUSH = object()  # output-thread item: finish the message a direct send left half written
 
 
 class EngineCoreProc:
@@ -100,6 +104,10 @@ class EngineCoreProc:
         self.input_queue: queue.Queue = queue.Queue()
         self.abort_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
+        # Per client: messages handed to the output thread and not yet written. While non-zero
+        # only the output thread writes that client's ring (single producer, order kept).
+        self._backlog = [0] * len(self.channels)
+        self._emit_lock = threading.Lock()
         self.request_client: dict[str, int] = {}
         self.closed_clients: set[int] = set()
         self._stop = threading.Event()
@@ -131,17 +139,41 @@ class EngineCoreProc:
             logger.warning(
                 "client %d sent a message that could not be decoded: %s", client, msg.error
             )
-            self.output_queue.put((client, _error_output("", f"bad message: {msg.error}")))
+            self._emit(client, _error_output("", f"bad message: {msg.error}"))
             return
         if isinstance(msg, EngineCoreRequest):
             try:
                 msg = self.core.preprocess(msg)
             except (ValueError, TypeError) as e:
-                self.output_queue.put((client, _error_output(msg.request_id, str(e))))
+                self._emit(client, _error_output(msg.request_id, str(e)))
                 return
         elif isinstance(msg, AbortRequests):
             self.abort_queue.put(msg.request_ids)
         self.input_queue.put((client, msg))
+
+    def _emit(self, client: int, out) -> None:
+        """Send ``out`` to one client now if its ring has room, else queue it for the output thread.
+
+        NOTE: the ring has a single producer. A thread writes it directly only under the lock
+        and only while that client's backlog is empty; the output thread writes it only while the
+        backlog is non-zero and lowers the count after each write, so frames stay in order.
+        """
+        with self._emit_lock:
+            if not self._backlog[client]:
+                chan = self.channels[client]
+                try:
+                    chan.send(out, timeout=0)
+                    return
+                except TimeoutError:
+                    # Ring full. Either nothing went out (the whole message is queued) or the
+                    # first fragments of a large one did (the channel keeps the rest pending and
+                    # the output thread completes it).
+                    out = _FLUSH if chan.has_pending_send() else out
+                except Exception:
+                    logger.warning("could not send to client %d", client, exc_info=True)
+                    return
+            self._backlog[client] += 1
+            self.output_queue.put((client, out))  # under the lock: queue order = emit order
 
     def _output_loop(self) -> None:
         while True:
@@ -149,12 +181,16 @@ class EngineCoreProc:
             if item is _SHUTDOWN:
                 return
             client, out = item
-            targets = range(len(self.channels)) if client is None else (client,)
-            for i in targets:
-                try:
-                    self.channels[i].send(out)
-                except Exception:
-                    logger.warning("could not send to client %d", i, exc_info=True)
+            chan = self.channels[client]
+            try:
+                if out is _FLUSH:
+                    chan.flush()
+                else:
+                    chan.send(out)
+            except Exception:
+                logger.warning("could not send to client %d", client, exc_info=True)
+            with self._emit_lock:
+                self._backlog[client] -= 1
 
     # ------------------------------------------------------------------ busy loop
 
@@ -191,11 +227,11 @@ class EngineCoreProc:
                 self.core.add_request(msg)
                 self.request_client[msg.request_id] = client
             except (ValueError, RuntimeError) as e:
-                self.output_queue.put((client, _error_output(msg.request_id, str(e))))
+                self._emit(client, _error_output(msg.request_id, str(e)))
         elif isinstance(msg, AbortRequests):
             self._abort(msg.request_ids)
         elif isinstance(msg, UtilityCall):
-            self.output_queue.put((client, EngineCoreOutputs(utility_output=self._call(msg))))
+            self._emit(client, EngineCoreOutputs(utility_output=self._call(msg)))
         elif msg is _SHUTDOWN:
             self._abort([r for r, c in self.request_client.items() if c == client])
             self.closed_clients.add(client)
@@ -232,10 +268,10 @@ class EngineCoreProc:
         if self.config.log_stats:
             out.scheduler_stats = self.core.get_stats()
         if len(self.channels) == 1:
-            self.output_queue.put((0, out))
+            self._emit(0, out)
         else:
             for client, part in _split_by_client(out, self.request_client).items():
-                self.output_queue.put((client, part))
+                self._emit(client, part)
         # NOTE: only after the split, which needs the owners of the finishing requests too.
         for row in out.finished:
             self.request_client.pop(out.request_ids[row], None)
@@ -243,7 +279,8 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ lifecycle
 
     def send_engine_dead(self, message: str) -> None:
-        self.output_queue.put((None, EngineDead(message=message)))
+        for client in range(len(self.channels)):
+            self._emit(client, EngineDead(message=message))
         self.output_queue.put(_SHUTDOWN)
         self.output_thread.join(timeout=5.0)
 

@@ -363,6 +363,21 @@ class Channel:
 
         self._write(call, n, timeout)
 
+    def has_pending_send(self) -> bool:
+        """True when a timed-out send left a large message part written (see ``flush``)."""
+        return self._pending is not None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Finish the message a timed-out send left part written; a no-op when there is none.
+
+        The next send would do this first anyway; a producer with nothing more to send calls
+        it so the consumer is not left waiting on the rest of a message.
+        """
+        if self._closed:
+            raise ChannelClosedError("channel closed locally")
+        if self._pending is not None:
+            self._drive(self._pending, 0, timeout)
+
     def send_bytes(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
         """Send one message made of raw frames (no codec)."""
         if len(frames) == 1 and type(frames[0]) is bytes:
