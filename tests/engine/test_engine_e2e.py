@@ -183,6 +183,21 @@ def test_utility_calls(client):
     assert client.call_utility("reset_prefix_cache") >= 0
 
 
+def test_an_output_larger_than_the_ring_keeps_the_stream_in_order(client, tokenizer):
+    # A 10 MB echo does not fit the 4 MiB ring: the busy loop's direct send leaves it half
+    # written and the output thread finishes it, while later step outputs queue behind it.
+    big = os.urandom(10 << 20)
+    prompt = tokenizer.encode("Once upon a time")
+    rids = [f"big-{i}" for i in range(4)]
+    for rid in rids:
+        client.add_request(request(rid, prompt, 24, ignore_eos=True))
+    fut = client.call_utility_async("echo", big)
+    done = collect(client, rids)
+    assert fut.result(timeout=60) == big
+    assert all(len(done[r][0]) == 24 and done[r][1] == "length" for r in rids)
+    assert len({tuple(done[r][0]) for r in rids}) == 1  # same prompt, greedy: same tokens
+
+
 def test_sleep_releases_and_wake_up_restores_the_cache(client, tokenizer):
     import psutil
 
