@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from shm_engine.engine.client import EngineDeadError
 from shm_engine.engine.config import EngineConfig
@@ -514,25 +514,52 @@ class OpenAIServer:
 # --------------------------------------------------------------------------- async helpers
 
 
-class _SSEResponse(StreamingResponse):
+class ClientDisconnected(Exception):
+    """The HTTP client went away mid-stream (its requests are aborted)."""
+
+
+class _SSEResponse(Response):
     """An SSE stream whose engine requests are aborted however the response ends.
 
     The requests are started before the response; if the client vanishes before the body is
     first iterated, the body generator never runs its cleanup, so the response does it.
+
+    NOTE: not Starlette's StreamingResponse: its anyio task group (a disconnect listener next to
+    the body) costs ~0.2 ms per request, a tenth of the TTFT budget of the frontend. Here one
+    plain asyncio task waits for the disconnect and, if it comes, aborts the requests and fails
+    their streams, which ends the body wherever it is waiting.
     """
 
+    media_type = "text/event-stream"
+
     def __init__(self, body: AsyncIterator[bytes], handles: list[RequestHandle]) -> None:
-        super().__init__(
-            body,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        self.body_iterator = body
         self.handles = handles
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        for h in self.handles:
+            h.close()
+            h.stream.fail(ClientDisconnected())
 
     async def __call__(self, scope, receive, send) -> None:
+        watch = asyncio.ensure_future(self._watch(receive))
+        body = self.body_iterator
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in body:
+                if watch.done():
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            watch.cancel()
+            await body.aclose()  # type: ignore[attr-defined]
             for h in self.handles:
                 h.close()
 
