@@ -152,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p, _ in prompts]
     res: dict = {}
 
-    import asyncio
-
     import httpx
 
     url = f"http://127.0.0.1:{args.port}"
@@ -190,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             res["http_ttft_ms"] += [1e3 * x for x in http_ttft(url, model, args.repeats)]
             res["rings_ttft_ms"] += [1e3 * x for x in client_ttft(mp, tokens, args.repeats, False)]
-            rep = asyncio.run(bench.run_load(bargs, prompts, model, args.streams, float("inf")))
+            rep = bench.run_async(bench.run_load(bargs, prompts, model, args.streams, float("inf")))
             res["http_tpot_ms"].append(rep["tpot_ms"]["p50"])
             res["http_tok_s"].append(rep["output_tok_s"])
             res["rings_tpot_ms"].append(1e3 * _p50(client_tpot(mp, prompt_ids, args.output_len)))
