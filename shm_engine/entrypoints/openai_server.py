@@ -33,6 +33,7 @@ from shm_engine.engine.client import EngineDeadError
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
 from shm_engine.entrypoints.async_engine import AsyncLLM, RequestHandle
+from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from shm_engine.sampling_params import SamplingParams
@@ -631,8 +632,12 @@ async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
 # --------------------------------------------------------------------------- the app
 
 
-def build_app(config: EngineConfig, served_model_name: str | None = None) -> FastAPI:
-    """The ASGI app; the engine starts in its lifespan (after uvicorn binds) and stops with it."""
+def build_app(config: EngineConfig, served_model_name: str | None = None) -> HotRoutes:
+    """The ASGI app; the engine starts in its lifespan (after uvicorn binds) and stops with it.
+
+    The FastAPI app serves everything but the two generation endpoints, which ``HotRoutes``
+    answers in front of it with the same handlers (see hot_routes.py for why).
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -662,11 +667,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Fas
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
-        parts = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return error_response(400, "; ".join(parts) or "invalid request", "invalid_request_error")
+        return error_response(400, validation_message(e.errors()), "invalid_request_error")
 
     def api_error_response(e: Exception) -> Response:
         err = _to_api_error(e)
@@ -707,7 +708,14 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Fas
     async def metrics(raw: Request) -> Response:
         return Response(await server(raw).render_metrics(), media_type=CONTENT_TYPE)
 
-    return app
+    return HotRoutes(
+        app,
+        {
+            "/v1/completions": (CompletionRequest, completions),
+            "/v1/chat/completions": (ChatCompletionRequest, chat),
+        },
+        lambda status, message: error_response(status, message, "invalid_request_error"),
+    )
 
 
 def serve(

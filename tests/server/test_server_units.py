@@ -135,3 +135,39 @@ def test_file_prompts_cycle(tmp_path) -> None:
         "plain line",
         "a",
     ]
+
+
+def test_hot_routes_validate_and_pass_the_rest_to_the_app(monkeypatch) -> None:
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from starlette.testclient import TestClient
+
+    from shm_engine.entrypoints import hot_routes
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"data": []}
+
+    async def handler(req: CompletionRequest, raw) -> JSONResponse:
+        return JSONResponse({"prompt": req.prompt, "app": raw.app is app})
+
+    hot = hot_routes.HotRoutes(
+        app,
+        {"/v1/completions": (CompletionRequest, handler)},
+        lambda status, msg: JSONResponse({"error": msg}, status_code=status),
+    )
+    with TestClient(hot) as c:
+        assert c.post("/v1/completions", json={"prompt": "hi"}).json() == {
+            "prompt": "hi",
+            "app": True,
+        }
+        r = c.post("/v1/completions", json={"prompt": "x", "n": "many"})
+        assert r.status_code == 400 and r.json()["error"].startswith("n: ")
+        assert c.post("/v1/completions", content=b"{not json").status_code == 400
+        assert c.get("/v1/models").json() == {"data": []}  # other routes: the app's
+        assert c.get("/v1/completions").status_code == 404  # other methods: the app (none here)
+        monkeypatch.setattr(hot_routes, "MAX_BODY_BYTES", 100)
+        r = c.post("/v1/completions", json={"prompt": "x" * 200})
+        assert r.status_code == 413
