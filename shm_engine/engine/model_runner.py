@@ -83,7 +83,9 @@ class ModelRunner:
             )
 
     def release_kv_cache(self) -> None:
+        # NOTE: the model's per-cache state goes too, or its references keep the memory alive.
         self.kv_caches = None
+        self.model.release_kv()
 
     # ------------------------------------------------------------------ requests
 

@@ -126,6 +126,10 @@ class Int8Llama:
             s = self._scratch = kernels.LayerScratch(self.layers[0], size)
         return s
 
+    def release_kv(self) -> None:
+        """Drop the converted stack: it holds the cache tensors, which would outlive a release."""
+        self._stack = None
+
     def _stack_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> kernels.LlamaStack:
         # The runner passes the same cache list every step: check and convert it once.
         s = self._stack

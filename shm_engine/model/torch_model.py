@@ -37,6 +37,9 @@ class TorchLlama:
         self.lm_head = self.w.get("lm_head.weight", self.embed)
         self.inv_freq = config.inv_freq()
 
+    def release_kv(self) -> None:
+        """Nothing to drop: this model keeps no reference to the cache between steps."""
+
     @torch.inference_mode()
     def forward(
         self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -202,6 +202,9 @@ def test_sleep_releases_and_wake_up_restores_the_cache(client, tokenizer):
     import psutil
 
     pid = client.proc.pid
+    # A real step first: the model's per-cache state must not keep the memory alive.
+    client.add_request(request("before-sleep", tokenizer.encode("Hello"), 4))
+    collect(client, ["before-sleep"])
     rss_awake = psutil.Process(pid).memory_info().rss
     client.call_utility("sleep")
     assert client.call_utility("is_sleeping") is True
