@@ -3,8 +3,8 @@
 Threads:
 - one input thread per client: ring -> decode -> validate -> input queue (aborts also go to an
   eager abort queue, applied right after the model runs so no extra token is produced);
-- the main thread's busy loop: input queue -> EngineCore.step() -> output queue; it blocks on the
-  input queue when there is no work, so an idle engine burns no CPU;
+- the main thread's busy loop: input queue -> EngineCore.step() -> the client's ring; it blocks
+  on the input queue when there is no work, so an idle engine burns no CPU;
 - outputs are encoded and written to the client's ring by whichever thread produced them (the
   busy loop, mostly): a hand-off to another thread would wait for the GIL behind the next step's
   Python work. Only when a ring is full does the message go to the output thread, which blocks
