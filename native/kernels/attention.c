@@ -138,6 +138,11 @@ typedef struct {
     int wide; /* inside it, the AVX-512 inner loops (d % 16 == 0) */
 } att_ctx;
 
+/* positions of sequence b cached before its first query token (its kv for token t: ctx + t + 1) */
+static inline int64_t ctx_len(const att_ctx *c, int64_t b) {
+    return c->seq_lens[b] - (c->qsl[b + 1] - c->qsl[b]);
+}
+
 static inline float kv_at(const shmk_kv_t *kv, const void *cache, size_t i) {
     return kv->dtype == 1 ? f16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
@@ -145,8 +150,8 @@ static inline float kv_at(const shmk_kv_t *kv, const void *cache, size_t i) {
 static void att_task_portable(const att_ctx *c, const att_task *tk) {
     const shmk_kv_t *kv = c->kv;
     const int64_t d = kv->d, G = c->hq / kv->hk, bs = kv->block_size;
-    const int64_t q_start = c->qsl[tk->b], q_len = c->qsl[tk->b + 1] - q_start;
-    const int64_t ctx0 = c->seq_lens[tk->b] - q_len;
+    const int64_t q_start = c->qsl[tk->b];
+    const int64_t ctx0 = ctx_len(c, tk->b);
     const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
     float o[1024];
     for (int64_t ti = tk->t0; ti < tk->t1; ti++) {
@@ -444,8 +449,8 @@ static void prefetch_task_kv(const shmk_kv_t *kv, const int32_t *bt_row, int64_t
 AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int prefetch) {
     const shmk_kv_t *kv = c->kv;
     const int64_t d = kv->d, G = c->hq / kv->hk;
-    const int64_t q_start = c->qsl[tk->b], q_len = c->qsl[tk->b + 1] - q_start;
-    const int64_t ctx0 = c->seq_lens[tk->b] - q_len;
+    const int64_t q_start = c->qsl[tk->b];
+    const int64_t ctx0 = ctx_len(c, tk->b);
     const int64_t kv_end = ctx0 + tk->t1; /* exclusive */
     const int64_t npos = shmk_cdiv(kv_end, ATT_CHUNK) * ATT_CHUNK;
     const int64_t nrows = (tk->t1 - tk->t0) * G; /* row r = (token t0 + r / G, head r % G) */
@@ -596,8 +601,8 @@ INLINE AVX512_FN void pv_rows(const float *St, const float *Vw, int64_t rp, int6
 INLINE AVX512_FN void att_rows_impl(const att_ctx *c, const att_task *tk, const int D) {
     const shmk_kv_t *kv = c->kv;
     const int64_t G = c->hq / kv->hk;
-    const int64_t q_start = c->qsl[tk->b], q_len = c->qsl[tk->b + 1] - q_start;
-    const int64_t ctx0 = c->seq_lens[tk->b] - q_len;
+    const int64_t q_start = c->qsl[tk->b];
+    const int64_t ctx0 = ctx_len(c, tk->b);
     const int64_t kv_end = ctx0 + tk->t1; /* exclusive */
     const int64_t pad = shmk_cdiv(kv_end, 8) * 8;
     const int64_t nrows = (tk->t1 - tk->t0) * G; /* row r = (token t0 + r / G, head r % G) */
@@ -665,7 +670,7 @@ static void att_task_fn(void *vctx, int64_t task, int tid) {
         att_rows_d128(c, tk);
     else if (c->avx2 && tk->hk < 0) { /* a decode token's every kv head (see the task list) */
         const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
-        const int64_t kv_end = c->seq_lens[tk->b] - (c->qsl[tk->b + 1] - c->qsl[tk->b]) + tk->t1;
+        const int64_t kv_end = ctx_len(c, tk->b) + tk->t1;
         for (int64_t h = 0; h < c->kv->hk; h++) prefetch_task_kv(c->kv, bt_row, h, kv_end);
         for (int32_t h = 0; h < c->kv->hk; h++) {
             const att_task one = {tk->b, h, tk->t0, tk->t1};

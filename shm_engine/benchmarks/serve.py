@@ -13,8 +13,9 @@ Prompts are random token strings of ``--input-len`` tokens (the embedded model's
 that honour it (vLLM, ours); pass ``--no-ignore-eos`` for strict OpenAI servers.
 
 The generator shares the machine with the server it measures, so its own CPU per token is kept
-low: aiohttp (C HTTP parser) on uvloop, SSE split by hand on bytes, msgspec JSON. With httpx and
-the stdlib loop it used ~12 % of a core at 16 streams, which a 2-core engine feels in TPOT.
+low: aiohttp (C HTTP parser) on uvloop, SSE split by hand on bytes, msgspec JSON: 0.05 ms of CPU
+per streamed token, against 0.16 ms with httpx on the stdlib loop, which a 2-core engine felt in
+TPOT (29 instead of 22 ms at 16 streams from the same server).
 """
 
 from __future__ import annotations

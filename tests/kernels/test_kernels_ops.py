@@ -107,6 +107,13 @@ def test_write_kv_slots(path, dtype):
         K.write_kv(k, v, torch.tensor([0, 1, 2, 20]), kc, vc)
 
 
+def new_positions_and_slots(seqs, block_table, bs):
+    """Positions of each sequence's new tokens (the last ql of s) and their cache slots."""
+    pos = [torch.arange(s - ql, s) for s, ql in seqs]
+    slots = [block_table[b, p // bs].long() * bs + p % bs for b, p in enumerate(pos)]
+    return torch.cat(pos), torch.cat(slots)
+
+
 def make_batch(seqs, hq, hk, d, bs, seed, dtype=torch.float32):
     """seqs: list of (seq_len, q_len).  Returns q, caches, metadata and per-seq full k/v (as the
     cache holds them: rounded to ``dtype``, returned in fp32)."""
@@ -260,13 +267,7 @@ def test_fused_layer_matches_primitives(bias, dtype):
     seqs = [(21, 1), (12, 12), (30, 9)]  # decode, prefill, prefill with a cached prefix
     _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=11, dtype=dtype)
     t = sum(ql for _, ql in seqs)
-    pos = torch.cat([torch.arange(s - ql, s) for s, ql in seqs])
-    slots = torch.cat(
-        [
-            meta["block_table"][b, p // bs].long() * bs + p % bs
-            for b, p in enumerate(torch.arange(s - ql, s) for s, ql in seqs)
-        ]
-    )
+    pos, slots = new_positions_and_slots(seqs, meta["block_table"], bs)
     cs = K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64)
     hidden = torch.randn(t, 64, generator=gen(2))
     kc2, vc2 = kc.clone(), vc.clone()
@@ -292,13 +293,7 @@ def test_fused_layer_int8_tiles_match_vnni():
     hq, hk, d, bs = 4, 2, 16, 8
     seqs = [(21, 1), (12, 12), (30, 9)]
     _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=12)
-    pos = torch.cat([torch.arange(s - ql, s) for s, ql in seqs])
-    slots = torch.cat(
-        [
-            meta["block_table"][b, p // bs].long() * bs + p % bs
-            for b, p in enumerate(torch.arange(s - ql, s) for s, ql in seqs)
-        ]
-    )
+    pos, slots = new_positions_and_slots(seqs, meta["block_table"], bs)
     step = K.LayerStep(
         positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64),
         num_blocks=kc.shape[0], block_size=bs, scale=d**-0.5,
@@ -324,13 +319,7 @@ def test_llama_forward_is_the_layers_in_order():
         _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=20 + i)
         caches.append((kc, vc))
     t = sum(ql for _, ql in seqs)
-    pos = torch.cat([torch.arange(s - ql, s) for s, ql in seqs])
-    slots = torch.cat(
-        [
-            meta["block_table"][b, p // bs].long() * bs + p % bs
-            for b, p in enumerate(torch.arange(s - ql, s) for s, ql in seqs)
-        ]
-    )
+    pos, slots = new_positions_and_slots(seqs, meta["block_table"], bs)
     step = K.LayerStep(
         positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64),
         num_blocks=caches[0][0].shape[0], block_size=bs, scale=d**-0.5,
