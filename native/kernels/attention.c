@@ -182,17 +182,23 @@ static void att_task_portable(const att_ctx *c, const att_task *tk) {
     }
 }
 
-/* Row pointers of kv positions c0 .. min(c0 + ATT_CHUNK, end) - 1 of one kv head in `cache`;
- * lanes past `end` repeat row c0 (their results are masked or multiplied by zero). */
+/* Row pointers of kv positions c0 .. min(c0 + ATT_CHUNK, end) - 1 of one kv head in `cache`
+ * (c0 a multiple of ATT_CHUNK); lanes past `end` repeat row c0 (their results are masked or
+ * multiplied by zero). */
 static inline void chunk_rows(const shmk_kv_t *kv, const void *cache, const int32_t *bt_row,
                               int64_t h, int64_t c0, int64_t end, const void **out) {
     const int64_t bs = kv->block_size;
     const size_t esz = kv_esize(kv);
     const int cn = end - c0 < ATT_CHUNK ? (int)(end - c0) : ATT_CHUNK;
     int64_t bi = c0 / bs, off = c0 % bs; /* one division per chunk */
-    for (int j = 0; j < cn; j++) {
-        out[j] = (const char *)cache + kv_offset(kv, bt_row[bi], h, off) * esz;
-        if (++off == bs) off = 0, bi++;
+    if (bs % ATT_CHUNK == 0) { /* the chunk lies in one block: its rows are contiguous */
+        const char *base = (const char *)cache + kv_offset(kv, bt_row[bi], h, off) * esz;
+        for (int j = 0; j < cn; j++) out[j] = base + (size_t)j * kv->d * esz;
+    } else {
+        for (int j = 0; j < cn; j++) {
+            out[j] = (const char *)cache + kv_offset(kv, bt_row[bi], h, off) * esz;
+            if (++off == bs) off = 0, bi++;
+        }
     }
     for (int j = cn; j < ATT_CHUNK; j++) out[j] = out[0];
 }
@@ -246,14 +252,12 @@ AVX2_FN static const float *const *stream_chunk(chunk_stream *st, int64_t c0, fl
         /* widen once here, not once per query row that reads the chunk */
         const int64_t d = st->kv->d;
         const int cn = st->end - c0 < ATT_CHUNK ? (int)(st->end - c0) : ATT_CHUNK;
-        for (int j = 0; j < ATT_CHUNK; j++) {
-            rows_out[j] = st->f32 + (j < cn ? j : 0) * d;
-            if (j >= cn) continue;
-            if (st->wide)
-                widen_f16_512(rows_out[j], rows[j], d);
-            else
-                widen_f16(rows_out[j], rows[j], d);
-        }
+        for (int j = 0; j < ATT_CHUNK; j++) rows_out[j] = st->f32 + (j < cn ? j : 0) * d;
+        if (st->kv->block_size % ATT_CHUNK == 0) /* contiguous rows: one call */
+            (st->wide ? widen_f16_512 : widen_f16)(st->f32, rows[0], cn * d);
+        else
+            for (int j = 0; j < cn; j++)
+                (st->wide ? widen_f16_512 : widen_f16)(rows_out[j], rows[j], d);
     } else {
         for (int j = 0; j < ATT_CHUNK; j++) rows_out[j] = (float *)rows[j];
     }

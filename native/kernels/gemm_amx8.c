@@ -132,31 +132,47 @@ AMX8_FN static void block_rows(const amx8_ctx *c, int64_t blk, const int8_t *bq,
     const char *next_s = (const char *)(c->scales + (blk + 2) * G * NB);
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
-    for (int64_t g = 0; g <= G; g++) {
+    /* NOTE: software-pipelined over groups (tile numbers alternate by group parity, as they are
+     * immediates): group g's products, then group g-1's C tiles stored (their products done by
+     * now), then group g-2's fold from memory (its stores done by now).  Storing a group's C
+     * tiles right after its products stalled on them. */
+    for (int64_t g = 0; g < G + 2; g++) {
         if (g < G) {
-            int32_t *cb = cbuf + (g & 1) * 512;
             _tile_loadd(0, c->ah + r0 * kp + g * GK, kp);
             _tile_loadd(1, c->al + r0 * kp + g * GK, kp);
-            _tile_loadd(2, bq + g * GBYTES, 64);
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_dpbssd(4, 0, 2);
-            _tile_dpbusd(5, 1, 2);
-            _tile_stored(4, cb, 64);
-            _tile_stored(5, cb + 256, 64);
+            if (g & 1) {
+                _tile_loadd(3, bq + g * GBYTES, 64);
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_dpbssd(6, 0, 3);
+                _tile_dpbusd(7, 1, 3);
+            } else {
+                _tile_loadd(2, bq + g * GBYTES, 64);
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_dpbssd(4, 0, 2);
+                _tile_dpbusd(5, 1, 2);
+            }
             if (prefetch) {
                 for (int64_t off = 0; off < GBYTES; off += 64)
                     _mm_prefetch(next + g * GBYTES + off, _MM_HINT_T1);
                 if (g % 2 == 0) _mm_prefetch(next_s + g * 32, _MM_HINT_T1);
             }
         }
-        /* NOTE: the previous group's fold reads the other half of cbuf, so it depends on no
-         * tile instruction of this group and may run beside them.  (Placing it before this
-         * group's stores measured the same.) */
-        if (g > 0) {
-            const int32_t *hi = cbuf + ((g - 1) & 1) * 512, *lo = hi + 256;
+        if (g >= 1 && g <= G) {
+            int32_t *cb = cbuf + ((g - 1) & 1) * 512;
+            if ((g - 1) & 1) {
+                _tile_stored(6, cb, 64);
+                _tile_stored(7, cb + 256, 64);
+            } else {
+                _tile_stored(4, cb, 64);
+                _tile_stored(5, cb + 256, 64);
+            }
+        }
+        if (g >= 2) {
+            const int32_t *hi = cbuf + ((g - 2) & 1) * 512, *lo = hi + 256;
             const __m512 s = _mm512_cvtph_ps(
-                _mm256_loadu_si256((const __m256i *)(scales + (g - 1) * NB)));
+                _mm256_loadu_si256((const __m256i *)(scales + (g - 2) * NB)));
             FOLD16();
         }
     }

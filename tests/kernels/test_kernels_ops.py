@@ -169,6 +169,7 @@ MIXED = [(37, 1), (20, 20), (50, 13), (1, 1), (130, 1), (70, 33)]  # decode, pre
     "seqs,hq,hk,d,bs",
     [
         (MIXED, 9, 3, 64, 16),
+        (MIXED, 9, 3, 64, 32),  # two chunks a block (rows contiguous within each)
         (MIXED, 4, 4, 32, 5),
         ([(300, 300)], 9, 3, 64, 16),
         ([(17, 1)] * 5, 8, 2, 16, 4),
