@@ -19,8 +19,9 @@
  * 64 bytes (16 channels x 4 k, int8 AMX's layout; one vpermw per two pair rows of the packed
  * layout), C = 16 x 16 int32.  A task takes units (two blocks, 32 channels) over a range of rows:
  * each unit's B tiles are rearranged once into thread-local scratch, then per block and 16 rows
- * the groups run in order, two products each stored to one half of a double buffer and folded
- * into 16 zmm accumulators one group later. */
+ * the groups run in order: two products each (B and C tiles alternate between groups), stored a
+ * group later to one half of a double buffer, folded into 16 zmm accumulators a group after
+ * that. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -121,7 +122,8 @@ AMX8_FN static void store_rows(const amx8_ctx *c, int64_t blk, int64_t r0, int n
 
 /* Rows r0 .. r0+nrow-1 (nrow <= 16) of one block (16 channels, B tiles at bq) over all groups.
  * Accumulators are 16 named zmm (an array would live on the stack).
- * NOTE: the tile numbers are immediates: A_hi 0, A_lo 1, B 2, C 4-5 (hi, lo). */
+ * NOTE: the tile numbers are immediates: A_hi 0, A_lo 1, B 2 / 3 and C 4-5 / 6-7 (hi, lo) for
+ * even / odd groups. */
 AMX8_FN static void block_rows(const amx8_ctx *c, int64_t blk, const int8_t *bq, int64_t r0,
                                int nrow, int prefetch, int32_t *cbuf) {
     const int64_t G = c->G, kp = c->kp;
