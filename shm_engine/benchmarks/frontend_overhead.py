@@ -14,6 +14,7 @@ The server, the direct client and this process share the machine, so run it on a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -183,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         ip = InprocClient(
             EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, num_threads=args.threads)
         )
+        # NOTE: no full collection over the models and clients loaded above during the timing
+        # (one took 75-135 ms in a server-sized heap): every path's figures would take the stall.
+        gc.collect()
+        gc.freeze()
         bargs = bench.parse_args(
             ["--base-url", url, "--input-len", str(args.input_len),
              "--output-len", str(args.output_len), "--no-progress", "--warmup", "1"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import random
@@ -399,6 +400,10 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
         prompts = file_prompts(args.dataset_path, args.num_prompts)
     else:
         prompts = random_prompts(args.num_prompts, args.input_len, args.tokenizer, args.seed)
+    # NOTE: as in the server: a full collection over the startup heap would stall every
+    # stream's timestamps at once (a fake latency spike); only the run's own objects are walked.
+    gc.collect()
+    gc.freeze()
     values: list[float | None] = [None]
     if args.sweep:
         values = [float(v) for v in args.sweep.split(",") if v.strip()]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -645,6 +646,12 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Hot
         metrics = ServerMetrics(engine.model_name)
         engine.on_finished = metrics.observe_finished
         app.state.server = OpenAIServer(engine, metrics, engine.model_name)
+        # NOTE: the startup heap (FastAPI, pydantic, the tokenizer, torch's modules: ~200k
+        # objects) leaves the collector's generations. A full collection walked it in 75-135 ms
+        # here, a stall for every stream in flight; per-request garbage triggers one every few
+        # hundred requests. After the freeze the worst collection in the same load took 18 ms.
+        gc.collect()
+        gc.freeze()
         logger.info(
             "serving %s (max_model_len %d, %d KV blocks)",
             engine.model_name,
