@@ -494,7 +494,8 @@ DEC_SCORES(1)
 DEC_SCORES(2)
 DEC_SCORES(3)
 
-/* o_r[0..64) += sum_{j < n} p_r[j] v_j for NR rows (o_r at o + r * DEC_D, p_r at p + r * pstride) */
+/* o_r[0..64) += sum_{j < n} p_r[j] v_j for NR rows (o_r at o + r * DEC_D, p_r at
+ * p + r * pstride) */
 #define DEC_PV(NR)                                                                             \
     AVX512_FN static void dec_pv_##NR(float *o, const float *p, int64_t pstride,                \
                                       const void *const *vp, int n) {                          \
