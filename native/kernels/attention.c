@@ -455,26 +455,27 @@ static void prefetch_task_kv(const shmk_kv_t *kv, const int32_t *bt_row, int64_t
     }
 }
 
-/* ------------------------------------------------------------------ decode, fp16 cache, D = 64
+/* ------------------------------------------------------------------ decode, fp16 cache
  * One query token: the G query rows of a kv head against its context, the fp16 cache read in
- * place.  Where att_task_avx2 widens each chunk into a scratch tile and then loads every element
- * again per query row, here a K or V element is widened once in a register and feeds the FMAs
- * of up to DEC_ROWS rows (scores: 8 positions x DEC_ROWS rows of accumulators, one reduction
- * tree per row; P.V: DEC_ROWS rows x 64 columns in registers).  Same fp32 math and two-pass
- * softmax, summed in another order. */
-#define DEC_D 64
+ * place (head_dim a multiple of DEC_COLS).  Where att_task_avx2 widens each chunk into a scratch
+ * tile and then loads every element again per query row, here a K or V element is widened once
+ * in a register and feeds the FMAs of up to DEC_ROWS rows (scores: 8 positions x DEC_ROWS rows
+ * of accumulators, one reduction tree per row; P.V: DEC_ROWS rows x DEC_COLS columns in
+ * registers, one column block after another).  Same fp32 math and two-pass softmax, summed in
+ * another order. */
+#define DEC_COLS 64
 #define DEC_ROWS 3 /* query rows a pass: 8 x 3 score accumulators + 3 q + 1 k = 28 zmm */
 
-/* s[r * sstride + j] = scale * q_r . k_j, j < 8, for NR rows (q_r at q + r * DEC_D) */
+/* s[r * sstride + j] = scale * q_r . k_j, j < 8, for NR rows (q_r at q + r * d) */
 #define DEC_SCORES(NR)                                                                         \
-    AVX512_FN static void dec_scores8_##NR(const float *q, const void *const *kp, float scale,  \
-                                           float *s, int64_t sstride) {                        \
+    AVX512_FN static void dec_scores8_##NR(const float *q, int64_t d, const void *const *kp,    \
+                                           float scale, float *s, int64_t sstride) {           \
         __m512 a[NR][8];                                                                       \
         for (int r = 0; r < NR; r++)                                                           \
             for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();                         \
-        for (int i = 0; i < DEC_D; i += 16) {                                                  \
+        for (int64_t i = 0; i < d; i += 16) {                                                  \
             __m512 qv[NR];                                                                     \
-            for (int r = 0; r < NR; r++) qv[r] = _mm512_loadu_ps(q + r * DEC_D + i);           \
+            for (int r = 0; r < NR; r++) qv[r] = _mm512_loadu_ps(q + r * d + i);               \
             for (int j = 0; j < 8; j++) {                                                      \
                 const __m512 k = _mm512_cvtph_ps(                                              \
                     _mm256_loadu_si256((const __m256i *)((const uint16_t *)kp[j] + i)));       \
@@ -494,16 +495,16 @@ DEC_SCORES(1)
 DEC_SCORES(2)
 DEC_SCORES(3)
 
-/* o_r[0..64) += sum_{j < n} p_r[j] v_j for NR rows (o_r at o + r * DEC_D, p_r at
- * p + r * pstride) */
+/* o_r[col0 .. col0 + 64) += sum_{j < n} p_r[j] v_j[col0 ..] for NR rows (o_r at o + r * d,
+ * p_r at p + r * pstride) */
 #define DEC_PV(NR)                                                                             \
-    AVX512_FN static void dec_pv_##NR(float *o, const float *p, int64_t pstride,                \
-                                      const void *const *vp, int n) {                          \
+    AVX512_FN static void dec_pv_##NR(float *o, int64_t d, int64_t col0, const float *p,        \
+                                      int64_t pstride, const void *const *vp, int n) {         \
         __m512 acc[NR][4];                                                                     \
         for (int r = 0; r < NR; r++)                                                           \
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_loadu_ps(o + r * DEC_D + c * 16);   \
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_loadu_ps(o + r * d + col0 + c * 16); \
         for (int j = 0; j < n; j++) {                                                          \
-            const uint16_t *v = vp[j];                                                         \
+            const uint16_t *v = (const uint16_t *)vp[j] + col0;                                \
             __m512 vv[4];                                                                      \
             for (int c = 0; c < 4; c++)                                                        \
                 vv[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + c * 16)));    \
@@ -513,25 +514,26 @@ DEC_SCORES(3)
             }                                                                                  \
         }                                                                                      \
         for (int r = 0; r < NR; r++)                                                           \
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * DEC_D + c * 16, acc[r][c]);   \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * d + col0 + c * 16, acc[r][c]); \
     }
 DEC_PV(1)
 DEC_PV(2)
 DEC_PV(3)
 
 AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int prefetch) {
-    static void (*const scores[DEC_ROWS + 1])(const float *, const void *const *, float, float *,
-                                              int64_t) = {NULL, dec_scores8_1, dec_scores8_2,
-                                                          dec_scores8_3};
-    static void (*const pv[DEC_ROWS + 1])(float *, const float *, int64_t, const void *const *,
-                                          int) = {NULL, dec_pv_1, dec_pv_2, dec_pv_3};
+    static void (*const scores[DEC_ROWS + 1])(const float *, int64_t, const void *const *, float,
+                                              float *, int64_t) = {NULL, dec_scores8_1,
+                                                                   dec_scores8_2, dec_scores8_3};
+    static void (*const pv[DEC_ROWS + 1])(float *, int64_t, int64_t, const float *, int64_t,
+                                          const void *const *, int) = {NULL, dec_pv_1, dec_pv_2,
+                                                                       dec_pv_3};
     const shmk_kv_t *kv = c->kv;
-    const int64_t G = c->hq / kv->hk, h = tk->hk;
+    const int64_t G = c->hq / kv->hk, h = tk->hk, d = kv->d;
     const int64_t kv_end = ctx_len(c, tk->b) + tk->t1; /* the token sees every cached position */
     const int64_t npos = shmk_cdiv(kv_end, ATT_CHUNK) * ATT_CHUNK;
-    const float *q = c->q + (c->qsl[tk->b] + tk->t0) * c->q_stride + h * G * DEC_D;
-    float *S = shmk_scratch(3, (size_t)(G * (npos + DEC_D + 1)) * sizeof(float));
-    float *O = S + G * npos, *inv_sum = O + G * DEC_D;
+    const float *q = c->q + (c->qsl[tk->b] + tk->t0) * c->q_stride + h * G * d;
+    float *S = shmk_scratch(3, (size_t)(G * (npos + d + 1)) * sizeof(float));
+    float *O = S + G * npos, *inv_sum = O + G * d;
     const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
     const void *rows[ATT_CHUNK];
     if (prefetch) prefetch_task_kv(kv, bt_row, h, kv_end);
@@ -541,13 +543,13 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
         chunk_rows(kv, kv->k, bt_row, h, c0, kv_end, rows);
         for (int64_t r0 = 0; r0 < G; r0 += DEC_ROWS) {
             const int nr = G - r0 < DEC_ROWS ? (int)(G - r0) : DEC_ROWS;
-            scores[nr](q + r0 * DEC_D, rows, c->scale, S + r0 * npos + c0, npos);
+            scores[nr](q + r0 * d, d, rows, c->scale, S + r0 * npos + c0, npos);
             if (kv_end - c0 > 8)
-                scores[nr](q + r0 * DEC_D, rows + 8, c->scale, S + r0 * npos + c0 + 8, npos);
+                scores[nr](q + r0 * d, d, rows + 8, c->scale, S + r0 * npos + c0 + 8, npos);
         }
     }
     for (int64_t r = 0; r < G; r++) inv_sum[r] = 1.f / softmax_row(S + r * npos, kv_end, npos);
-    memset(O, 0, (size_t)(G * DEC_D) * sizeof(float));
+    memset(O, 0, (size_t)(G * d) * sizeof(float));
     /* pass 2: O = P.V */
     for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
         prefetch_ahead(kv, kv->v, bt_row, h, c0, kv_end);
@@ -555,15 +557,15 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
         const int n = kv_end - c0 < ATT_CHUNK ? (int)(kv_end - c0) : ATT_CHUNK;
         for (int64_t r0 = 0; r0 < G; r0 += DEC_ROWS) {
             const int nr = G - r0 < DEC_ROWS ? (int)(G - r0) : DEC_ROWS;
-            pv[nr](O + r0 * DEC_D, S + r0 * npos + c0, npos, rows, n);
+            for (int64_t col0 = 0; col0 < d; col0 += DEC_COLS)
+                pv[nr](O + r0 * d, d, col0, S + r0 * npos + c0, npos, rows, n);
         }
     }
-    float *out = c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + h * G) * DEC_D;
+    float *out = c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + h * G) * d;
     for (int64_t r = 0; r < G; r++) {
         const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-        for (int64_t i = 0; i < DEC_D; i += 8)
-            _mm256_storeu_ps(out + r * DEC_D + i,
-                             _mm256_mul_ps(_mm256_loadu_ps(O + r * DEC_D + i), inv));
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(out + r * d + i, _mm256_mul_ps(_mm256_loadu_ps(O + r * d + i), inv));
     }
 }
 
@@ -572,7 +574,7 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
  * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling. */
 AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int prefetch) {
     const shmk_kv_t *kv = c->kv;
-    if (c->wide && kv->dtype == 1 && kv->d == DEC_D && tk->t1 - tk->t0 == 1) {
+    if (c->wide && kv->dtype == 1 && kv->d % DEC_COLS == 0 && tk->t1 - tk->t0 == 1) {
         att_decode_f16(c, tk, prefetch);
         return;
     }

@@ -181,6 +181,7 @@ MIXED = [(37, 1), (20, 20), (50, 13), (1, 1), (130, 1), (70, 33)]  # decode, pre
         # decode on the fused fp16 path with G = 8 and 4 (query rows in passes of 3, 3, 2 / 3, 1)
         ([(37, 1), (20, 1), (5, 1)], 16, 2, 64, 16),
         ([(33, 1)] * 3, 8, 2, 64, 16),
+        ([(37, 1), (20, 1)], 8, 2, 128, 16),  # head_dim 128: two column blocks
     ],
 )
 def test_paged_attention_vs_sdpa(path, dtype, seqs, hq, hk, d, bs):
