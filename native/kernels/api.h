@@ -14,6 +14,10 @@ int shmk_get_path(void);                  /* path in use */
 int shmk_set_path(int path);              /* 0 on success, -1 if the CPU lacks it */
 int shmk_set_num_threads(int n);          /* resizes the persistent pool (n >= 1); returns n */
 int shmk_get_num_threads(void);
+/* on = 1 before a run of parallel calls (one model forward), 0 after: meanwhile idle pool threads
+ * spin up to ~1 ms instead of ~30 us before they park (see pool.c) */
+void shmk_pool_hold(int on);
+int shmk_pool_holds(void); /* holds in force (tests) */
 
 /* ---- W8 (group-32) x A16 (per-token) GEMM (gemm16.c) ----
  * weights: int8, a scale per (output channel, 32 consecutive k); kp = ceil(k/32)*32.

@@ -1,8 +1,9 @@
 /* A small persistent thread pool for 1-few cores.
  *
  * Workers wait for a new "generation" of work: they spin briefly (bounded by the TSC, ~30 us, so
- * back-to-back GEMMs inside one decoder layer do not pay a futex wake-up) and then park on a
- * futex.  The caller bumps the generation, wakes sleepers only if there are any, runs tasks
+ * back-to-back GEMMs inside one decoder layer do not pay a futex wake-up; ~1 ms while a caller
+ * holds the pool for a whole model forward, shmk_pool_hold) and then park on a futex.  The
+ * caller bumps the generation, wakes sleepers only if there are any, runs tasks
  * itself, and waits (spin, then futex) for the workers to drain.  Tasks come from one atomic
  * counter, so a slow (preempted) thread simply takes fewer tasks. */
 #define _GNU_SOURCE
@@ -21,7 +22,8 @@
 #include "common.h"
 
 #define MAX_THREADS 64
-#define SPIN_CYCLES 80000ULL /* ~30 us at 2.5 GHz TSC */
+#define SPIN_CYCLES 80000ULL        /* ~30 us at 2.5 GHz TSC */
+#define HOLD_SPIN_CYCLES 2600000ULL /* ~1 ms, while a caller holds the pool (shmk_pool_hold) */
 
 static void futex_wait(atomic_int *addr, int val) {
     syscall(SYS_futex, (int *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
@@ -39,6 +41,7 @@ static struct {
     atomic_int done;      /* tasks finished in the current job (futex word for the caller) */
     atomic_int waiting;   /* caller parked on done */
     atomic_int stop;
+    atomic_int hold; /* > 0: a caller has more parallel calls coming */
     /* claim word: job generation (high 32 bits) | tasks still unclaimed (low 32 bits).  A worker
      * that wakes late cannot claim a task of a finished job, and while it holds a claim the job
      * cannot finish, so fn/ctx/ntasks below are stable for it. */
@@ -72,7 +75,8 @@ static void *worker(void *arg) {
          * bumped gen reads the bumped value as `seen` and would otherwise wait forever (the
          * join in stop_workers then hangs; seen when set_num_threads runs twice quickly). */
         while (atomic_load_explicit(&P.gen, memory_order_acquire) == seen && !atomic_load(&P.stop)) {
-            if (__rdtsc() - t0 < SPIN_CYCLES) {
+            const unsigned long long spun = __rdtsc() - t0;
+            if (spun < SPIN_CYCLES || (spun < HOLD_SPIN_CYCLES && atomic_load(&P.hold) > 0)) {
                 _mm_pause();
                 continue;
             }
@@ -126,6 +130,7 @@ static void atfork_child(void) {
     atomic_store(&P.sleepers, 0);
     atomic_store(&P.waiting, 0);
     atomic_store(&P.stop, 0);
+    atomic_store(&P.hold, 0);
 }
 
 static void ensure_init(void) {
@@ -159,6 +164,10 @@ int shmk_get_num_threads(void) {
 
 int shmk_threads(void) { return shmk_get_num_threads(); }
 
+void shmk_pool_hold(int on) { atomic_fetch_add(&P.hold, on ? 1 : -1); }
+
+int shmk_pool_holds(void) { return atomic_load(&P.hold); }
+
 void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t ntasks) {
     if (ntasks <= 0) return;
     pthread_mutex_lock(&P.lock);
@@ -181,7 +190,8 @@ void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t ntasks) {
     unsigned long long t0 = __rdtsc();
     int d;
     while ((d = atomic_load_explicit(&P.done, memory_order_acquire)) != ntasks) {
-        if (__rdtsc() - t0 < SPIN_CYCLES) {
+        const unsigned long long spun = __rdtsc() - t0;
+        if (spun < SPIN_CYCLES || (spun < HOLD_SPIN_CYCLES && atomic_load(&P.hold) > 0)) {
             _mm_pause();
             continue;
         }

@@ -163,7 +163,8 @@ class Int8Llama:
             scale=self.scale,
             scratch=self._scratch_for(batch.num_tokens),
         )
-        kernels.llama_forward(self._stack_for(kv_caches), step, hidden)
-        x = hidden[batch.logits_indices].contiguous()
-        x = kernels.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
-        return kernels.linear(x, self.lm_head)
+        with kernels.pool_held():  # the layers, final norm and LM head run back to back
+            kernels.llama_forward(self._stack_for(kv_caches), step, hidden)
+            x = hidden[batch.logits_indices].contiguous()
+            x = kernels.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
+            return kernels.linear(x, self.lm_head)

@@ -59,6 +59,7 @@ __all__ = [
     "llama_forward",
     "llama_layer_forward",
     "padded_k",
+    "pool_held",
     "paged_attention",
     "quantize_rows",
     "rmsnorm",
@@ -115,6 +116,22 @@ def set_num_threads(n: int) -> int:
 
 def get_num_threads() -> int:
     return int(lib.shmk_get_num_threads())
+
+
+@contextlib.contextmanager
+def pool_held() -> Iterator[None]:
+    """Keep idle pool threads spinning (up to ~1 ms) between the parallel calls of the block.
+
+    NOTE: a model forward makes ~270 parallel calls back to back. A worker that ran out of tasks
+    while the caller finished a long one used to park after ~30 us, and its futex wake-up at the
+    next call took ~45 us on this VM (b32 decode: 65 parks a step). Outside such blocks the short
+    spin stays, so an idle engine does not hold a core the frontend needs.
+    """
+    lib.shmk_pool_hold(1)
+    try:
+        yield
+    finally:
+        lib.shmk_pool_hold(0)
 
 
 def padded_k(k: int) -> int:

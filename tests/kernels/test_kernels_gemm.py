@@ -254,6 +254,24 @@ def test_threads_identical(m):
     assert torch.equal(K.linear(x, p), y1)
 
 
+def test_pool_held_nests_releases_on_errors_and_changes_no_result():
+    g = torch.Generator().manual_seed(5)
+    p = K.PackedLinear.from_float(torch.randn(200, 96, generator=g))
+    x = torch.randn(16, 96, generator=g)
+    K.set_num_threads(2)
+    want = K.linear(x, p)
+    assert K.lib.shmk_pool_holds() == 0
+    with K.pool_held():
+        with K.pool_held():
+            assert K.lib.shmk_pool_holds() == 2
+            assert torch.equal(K.linear(x, p), want)
+        assert K.lib.shmk_pool_holds() == 1
+    assert K.lib.shmk_pool_holds() == 0
+    with pytest.raises(RuntimeError, match="boom"), K.pool_held():
+        raise RuntimeError("boom")
+    assert K.lib.shmk_pool_holds() == 0
+
+
 def test_validation_errors():
     p = K.PackedLinear.from_float(torch.randn(8, 16))
     with pytest.raises(ValueError, match="features"):
