@@ -455,6 +455,13 @@ static void prefetch_task_kv(const shmk_kv_t *kv, const int32_t *bt_row, int64_t
     }
 }
 
+/* out[0..d) = o[0..d) * inv (d % 8 == 0): a row's softmax normalisation, on the way out */
+AVX2_FN static void store_scaled(float *out, const float *o, float inv, int64_t d) {
+    const __m256 v = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), v));
+}
+
 /* ------------------------------------------------------------------ decode, fp16 cache
  * One query token: the G query rows of a kv head against its context, the fp16 cache read in
  * place (head_dim a multiple of DEC_COLS).  Where att_task_avx2 widens each chunk into a scratch
@@ -465,6 +472,11 @@ static void prefetch_task_kv(const shmk_kv_t *kv, const int32_t *bt_row, int64_t
  * another order. */
 #define DEC_COLS 64
 #define DEC_ROWS 3 /* query rows a pass: 8 x 3 score accumulators + 3 q + 1 k = 28 zmm */
+
+/* rows in the pass that starts at row r0 of G */
+static inline int dec_rows(int64_t G, int64_t r0) {
+    return G - r0 < DEC_ROWS ? (int)(G - r0) : DEC_ROWS;
+}
 
 /* s[r * sstride + j] = scale * q_r . k_j, j < 8, for NR rows (q_r at q + r * d) */
 #define DEC_SCORES(NR)                                                                         \
@@ -542,7 +554,7 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
         prefetch_ahead(kv, kv->k, bt_row, h, c0, kv_end);
         chunk_rows(kv, kv->k, bt_row, h, c0, kv_end, rows);
         for (int64_t r0 = 0; r0 < G; r0 += DEC_ROWS) {
-            const int nr = G - r0 < DEC_ROWS ? (int)(G - r0) : DEC_ROWS;
+            const int nr = dec_rows(G, r0);
             scores[nr](q + r0 * d, d, rows, c->scale, S + r0 * npos + c0, npos);
             if (kv_end - c0 > 8)
                 scores[nr](q + r0 * d, d, rows + 8, c->scale, S + r0 * npos + c0 + 8, npos);
@@ -556,17 +568,13 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
         chunk_rows(kv, kv->v, bt_row, h, c0, kv_end, rows);
         const int n = kv_end - c0 < ATT_CHUNK ? (int)(kv_end - c0) : ATT_CHUNK;
         for (int64_t r0 = 0; r0 < G; r0 += DEC_ROWS) {
-            const int nr = G - r0 < DEC_ROWS ? (int)(G - r0) : DEC_ROWS;
+            const int nr = dec_rows(G, r0);
             for (int64_t col0 = 0; col0 < d; col0 += DEC_COLS)
                 pv[nr](O + r0 * d, d, col0, S + r0 * npos + c0, npos, rows, n);
         }
     }
     float *out = c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + h * G) * d;
-    for (int64_t r = 0; r < G; r++) {
-        const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-        for (int64_t i = 0; i < d; i += 8)
-            _mm256_storeu_ps(out + r * d + i, _mm256_mul_ps(_mm256_loadu_ps(O + r * d + i), inv));
-    }
+    for (int64_t r = 0; r < G; r++) store_scaled(out + r * d, O + r * d, inv_sum[r], d);
 }
 
 /* Exact (two-pass) softmax per task: scores of every query row of the task against every kv
@@ -633,9 +641,7 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t ti = tk->t0 + r / G;
         float *out = c->out + ((q_start + ti) * c->hq + tk->hk * G + r % G) * d;
-        const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-        for (int64_t i = 0; i < d; i += 8)
-            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(O + r * d + i), inv));
+        store_scaled(out, O + r * d, inv_sum[r], d);
     }
 }
 

@@ -3,8 +3,8 @@
  * Workers wait for a new "generation" of work: they spin briefly (bounded by the TSC, ~30 us, so
  * back-to-back GEMMs inside one decoder layer do not pay a futex wake-up; ~1 ms while a caller
  * holds the pool for a whole model forward, shmk_pool_hold) and then park on a futex.  The
- * caller bumps the generation, wakes sleepers only if there are any, runs tasks
- * itself, and waits (spin, then futex) for the workers to drain.  Tasks come from one atomic
+ * caller bumps the generation, wakes sleepers only if there are any, runs tasks itself, and
+ * waits (spin, then futex) for the workers to drain.  Tasks come from one atomic
  * counter, so a slow (preempted) thread simply takes fewer tasks. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -52,6 +52,12 @@ static struct {
     int initialised;
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
+/* Whether a waiter that started spinning at TSC t0 spins on rather than parks. */
+static inline int keep_spinning(unsigned long long t0) {
+    const unsigned long long spun = __rdtsc() - t0;
+    return spun < SPIN_CYCLES || (spun < HOLD_SPIN_CYCLES && atomic_load(&P.hold) > 0);
+}
+
 /* Claim and run tasks of job generation g until none are left. */
 static void run_tasks(uint32_t g, int tid) {
     uint64_t v = atomic_load(&P.claim);
@@ -75,8 +81,7 @@ static void *worker(void *arg) {
          * bumped gen reads the bumped value as `seen` and would otherwise wait forever (the
          * join in stop_workers then hangs; seen when set_num_threads runs twice quickly). */
         while (atomic_load_explicit(&P.gen, memory_order_acquire) == seen && !atomic_load(&P.stop)) {
-            const unsigned long long spun = __rdtsc() - t0;
-            if (spun < SPIN_CYCLES || (spun < HOLD_SPIN_CYCLES && atomic_load(&P.hold) > 0)) {
+            if (keep_spinning(t0)) {
                 _mm_pause();
                 continue;
             }
@@ -190,8 +195,7 @@ void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t ntasks) {
     unsigned long long t0 = __rdtsc();
     int d;
     while ((d = atomic_load_explicit(&P.done, memory_order_acquire)) != ntasks) {
-        const unsigned long long spun = __rdtsc() - t0;
-        if (spun < SPIN_CYCLES || (spun < HOLD_SPIN_CYCLES && atomic_load(&P.hold) > 0)) {
+        if (keep_spinning(t0)) {
             _mm_pause();
             continue;
         }

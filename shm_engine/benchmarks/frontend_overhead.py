@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ) / summary["http_tpot_ms_p50"]
     summary["http_tpot_share_paired"] = statistics.median(res["tpot_share_by_round"])
     for k, v in summary.items():
-        print(f"{k:<28} {v:10.3f}")
+        print(f"{k:<34} {v:10.3f}")
     sd = [statistics.pstdev(res[k]) for k in ("http_ttft_ms", "rings_ttft_ms", "inproc_ttft_ms")]
     print(f"ttft stdev (ms): http {sd[0]:.2f} rings {sd[1]:.2f} inproc {sd[2]:.2f}")
     if args.json:

@@ -178,7 +178,8 @@ MIXED = [(37, 1), (20, 20), (50, 13), (1, 1), (130, 1), (70, 33)]  # decode, pre
         ([(40, 40), (70, 17)], 8, 2, 128, 16),
         ([(33, 33), (5, 5)], 2, 2, 64, 16),
         ([(50, 20)], 16, 2, 64, 8),
-        # decode on the fused fp16 path with G = 8 and 4 (query rows in passes of 3, 3, 2 / 3, 1)
+        # decode with G = 8 and 4: with an fp16 cache on AVX-512, the in-place decode kernel's
+        # row passes of 3, 3, 2 / 3, 1
         ([(37, 1), (20, 1), (5, 1)], 16, 2, 64, 16),
         ([(33, 1)] * 3, 8, 2, 64, 16),
         ([(37, 1), (20, 1)], 8, 2, 128, 16),  # head_dim 128: two column blocks
