@@ -38,11 +38,15 @@ typedef struct {
     const uint16_t *scales;
     float scale_mult;
     const float *bias; /* may be NULL */
-    /* 1: on AMX machines, calls of >= 17 rows may round the activations to bf16 (gemm_amx.c);
+    /* 1: on AMX machines, calls of >= shmk_amx_bf16_min_rows() rows round the activations to bf16
+     * (gemm_amx.c);
      * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
      * those run on int8 tiles from 16 rows, with the same results: gemm_amx8.c) */
     int act_bf16;
 } shmk_linear_t;
+
+/* rows from which act_bf16 weights take the bf16 AMX kernel (SHMK_AMX_MIN_M) */
+int shmk_amx_bf16_min_rows(void);
 
 /* activations: per-row symmetric int16, xq[m][kp] zero padded, scale = max|x|/32767 */
 void shmk_quantize_rows(const float *x, int64_t m, int64_t k, int16_t *xq, float *scales);

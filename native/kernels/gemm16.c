@@ -13,11 +13,14 @@
  * rint is round-half-to-even (nearbyintf / cvtps2dq in the default MXCSR mode).
  *
  * Packed layout (K padded to kp = multiple of 32, N to a multiple of 16, zeros):
- *   block b = channels 16b..16b+15; group g; pair p (k = 32g + 2p, +1):
- *   32 bytes = 16 channels x 2 k, byte (c, t) = q[16b + c][32g + 2p + t].
- *   A block is one contiguous stream of 512 bytes per group.  One vpmovsxbw widens a pair row to
- *   a zmm of 16 int16 pairs for vpdpwssd against a broadcast activation pair (AVX512-VNNI); on
- *   AVX2 each 16-byte half widens to a ymm for vpmaddwd (exact: no -32768 operands).
+ *   block b = channels 16b..16b+15; group g; quad row r (k = 32g + 4r .. 32g + 4r + 3):
+ *   64 bytes = 16 channels x 4 k, byte (c, t) = q[16b + c][32g + 4r + t].
+ *   A block is one contiguous stream of 512 bytes per group, and a group is exactly an AMX-INT8
+ *   B tile (8 rows x 64 bytes), so gemm_amx8.c loads tiles straight from the weights.  The
+ *   int16 kernels read it as pair rows (16 channels x 2 k): one vpermw turns a quad row into
+ *   pair rows 2r and 2r+1 (AVX2: vpshufb + vpermq per half), each widened (vpmovsxbw) to 16 int16
+ *   pairs for vpdpwssd against a broadcast activation pair (AVX512-VNNI); on AVX2 each 16-byte
+ *   half widens to a ymm for vpmaddwd (exact: no -32768 operands).
  *   Scales: fp16 [nb][G][16], one vcvtph2ps per block and group. */
 #include <immintrin.h>
 #include <math.h>
@@ -102,7 +105,7 @@ static float h2f(uint16_t h) { /* exact; only 0 and normals are ever stored */
 /* ------------------------------------------------------------------ packing */
 static inline int8_t *wq_at(int8_t *p, int64_t G, int64_t j, int64_t kk) {
     int64_t b = j / NB, c = j % NB, g = kk / GK, r = kk % GK;
-    return p + (b * G + g) * GBYTES + (r / 2) * (2 * NB) + c * 2 + (r & 1);
+    return p + (b * G + g) * GBYTES + (r / 4) * (4 * NB) + c * 4 + (r & 3);
 }
 
 typedef struct {
@@ -268,10 +271,9 @@ static void tile_portable(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1
             int32_t d[NB] = {0};
             const int8_t *w = wb + g * GBYTES;
             const int16_t *xg = x + g * GK;
-            for (int p = 0; p < GK / 2; p++)
+            for (int kk = 0; kk < GK; kk++)
                 for (int ch = 0; ch < NB; ch++)
-                    d[ch] += (int32_t)xg[2 * p] * w[p * 2 * NB + 2 * ch] +
-                             (int32_t)xg[2 * p + 1] * w[p * 2 * NB + 2 * ch + 1];
+                    d[ch] += (int32_t)xg[kk] * w[(kk / 4) * 4 * NB + 4 * ch + (kk & 3)];
             if (c->dots) {
                 store_dots(c, i, blk, g, d);
                 continue;
@@ -323,6 +325,14 @@ INLINE AVX2_FN void avx2_store(const gemm_ctx *c, int64_t blk, int64_t i, __m256
         a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(xb_, w1));                                \
     } while (0)
 
+/* 8 channels x 4 k of a quad row (32 bytes) -> [8 channels x k 0,1 | 8 channels x k 2,3] */
+INLINE AVX2_FN __m256i avx2_pairs(const int8_t *src) {
+    const __m256i lane = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0,
+                                          1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i t = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)src), lane);
+    return _mm256_permute4x64_epi64(t, 0xD8); /* qwords 0 2 1 3 */
+}
+
 INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
                                 const int raw) {
     const int8_t *wb = c->packed + blk * c->G * GBYTES;
@@ -334,15 +344,21 @@ INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
         const int8_t *w = wb + g * GBYTES;
         const int16_t *xa = x0 + g * GK, *xb = x1 + g * GK, *xc = x2 + g * GK;
         __m256i d00 = _mm256_setzero_si256(), d01 = d00, d10 = d00, d11 = d00, d20 = d00, d21 = d00;
-#pragma GCC unroll 4
-        for (int p = 0; p < GK / 2; p++) {
-            if (mr == 1 && (p & 1)) _mm_prefetch((const char *)w + p * 32 + PF_DIST, _MM_HINT_T0);
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32)));
-            const __m256i w1 =
-                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32 + 16)));
-            AVX2_ROW(xa, d00, d01);
-            if (mr > 1) AVX2_ROW(xb, d10, d11);
-            if (mr > 2) AVX2_ROW(xc, d20, d21);
+#pragma GCC unroll 2
+        for (int r = 0; r < GK / 4; r++) {
+            if (mr == 1) _mm_prefetch((const char *)w + r * 64 + PF_DIST, _MM_HINT_T0);
+            /* channels 0-7 and 8-15 of quad row r, each as [pair 2r | pair 2r+1] */
+            const __m256i q0 = avx2_pairs(w + r * 64), q1 = avx2_pairs(w + r * 64 + 32);
+            for (int h = 0; h < 2; h++) {
+                const int p = 2 * r + h;
+                const __m256i w0 = _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(q0, 1)
+                                                          : _mm256_castsi256_si128(q0));
+                const __m256i w1 = _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(q1, 1)
+                                                          : _mm256_castsi256_si128(q1));
+                AVX2_ROW(xa, d00, d01);
+                if (mr > 1) AVX2_ROW(xb, d10, d11);
+                if (mr > 2) AVX2_ROW(xc, d20, d21);
+            }
         }
         if (raw) {
             int32_t t[3][NB];
@@ -388,9 +404,11 @@ AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_
     if (i1 - i == 1) avx2_kernel(c, blk, i, 1, 0);
 }
 
-/* --- AVX512-VNNI: MR rows x NR blocks (16 channels each).  Rows <= 2 split each block's int
- * accumulator by pair parity so that >= 4 vpdpwssd chains are in flight (latency); the int sums
- * are exact, so the split changes nothing in the result. --- */
+/* --- AVX512-VNNI: MR rows x NR blocks (16 channels each).  A quad row (16 channels x 4 k) is
+ * widened in its two 32-byte halves as it lies, so each dword lane holds one channel's k pair
+ * (2c + h); a broadcast of the row's four activations (pairs alternating along the lanes) feeds
+ * vpdpwssd, and a group's lane pairs are added per channel (exact int32) before its fold.  No
+ * shuffle in the loop: the pair-row layout's vpermw cost batch-8 decode 5-8%. --- */
 #define VNNI_MR 4
 
 INLINE VNNI_FN void vnni_store(const gemm_ctx *c, int64_t blk, int64_t i, __m512 f) {
@@ -414,50 +432,64 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
     const int8_t *wb0 = c->packed + blk * G * GBYTES;
     const int8_t *wb1 = wb0 + G * GBYTES;
     const int16_t *x = c->xq + i0 * kp;
-    const int split = mr <= 2 ? 2 : 1;
+    /* lane-pair sums: dword lane 2c + h of half e holds channel 8e + c's k pair h */
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     __m512 f[VNNI_MR][2];
     for (int r = 0; r < mr; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int8_t *w0 = wb0 + g * GBYTES, *w1 = wb1 + g * GBYTES;
         const int16_t *xr[VNNI_MR];
         for (int r = 0; r < mr; r++) xr[r] = x + r * kp + g * GK;
+        /* d[row][block][half]: half e = channels 8e .. 8e + 7, both k pairs of a quad row */
         __m512i d[VNNI_MR][2][2];
         for (int r = 0; r < mr; r++)
-            for (int b = 0; b < nr; b++)
-                for (int s = 0; s < split; s++) d[r][b][s] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-        for (int p = 0; p < GK / 2; p++) {
-            if (mr <= 2 && (p & 1)) {
+            for (int b = 0; b < nr; b++) d[r][b][0] = d[r][b][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int q = 0; q < GK / 4; q++) {
+            if (mr <= 2) {
                 /* NOTE: near the end of the unit, w0's look-ahead would land in block blk+1
                  * (w1's, already streaming); skip it to blk+3, the next unit's second block.
                  * w1's look-ahead runs on into blk+2, the next unit's first. */
-                const int64_t o = g * GBYTES + p * 32 + PF_DIST;
+                const int64_t o = g * GBYTES + q * 64 + PF_DIST;
                 _mm_prefetch((const char *)wb0 + o + (o >= G * GBYTES ? 2 * G * GBYTES : 0),
                              _MM_HINT_T0);
-                if (nr == 2) _mm_prefetch((const char *)w1 + p * 32 + PF_DIST, _MM_HINT_T0);
-            } else if (mr > 2 && pf_next && (p & 1)) {
+                if (nr == 2) _mm_prefetch((const char *)w1 + q * 64 + PF_DIST, _MM_HINT_T0);
+            } else if (pf_next) {
                 /* NOTE: past the last unit these addresses leave the weights; prefetches of
                  * unmapped memory are dropped, never fault. */
-                _mm_prefetch((const char *)w0 + 2 * G * GBYTES + p * 32, _MM_HINT_T1);
-                _mm_prefetch((const char *)w1 + 2 * G * GBYTES + p * 32, _MM_HINT_T1);
+                _mm_prefetch((const char *)w0 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
+                _mm_prefetch((const char *)w1 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
             }
-            const int s = split == 2 ? (p & 1) : 0;
-            const __m512i v0 =
-                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + p * 32)));
-            __m512i v1 = v0;
-            if (nr == 2)
-                v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w1 + p * 32)));
+            /* quad row q widened as it lies: 8 channels x (k pair 0, k pair 1) per half */
+            const __m512i v00 =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + q * 64)));
+            const __m512i v01 =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + q * 64 + 32)));
+            __m512i v10 = v00, v11 = v01;
+            if (nr == 2) {
+                v10 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w1 + q * 64)));
+                v11 = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(w1 + q * 64 + 32)));
+            }
             for (int r = 0; r < mr; r++) {
-                int32_t pv;
-                memcpy(&pv, xr[r] + 2 * p, 4);
-                const __m512i xb = _mm512_set1_epi32(pv);
-                d[r][0][s] = _mm512_dpwssd_epi32(d[r][0][s], xb, v0);
-                if (nr == 2) d[r][1][s] = _mm512_dpwssd_epi32(d[r][1][s], xb, v1);
+                int64_t pv; /* activations k 4q .. 4q + 3: the pairs alternate along the lanes */
+                memcpy(&pv, xr[r] + 4 * q, 8);
+                const __m512i xb = _mm512_set1_epi64(pv);
+                d[r][0][0] = _mm512_dpwssd_epi32(d[r][0][0], xb, v00);
+                d[r][0][1] = _mm512_dpwssd_epi32(d[r][0][1], xb, v01);
+                if (nr == 2) {
+                    d[r][1][0] = _mm512_dpwssd_epi32(d[r][1][0], xb, v10);
+                    d[r][1][1] = _mm512_dpwssd_epi32(d[r][1][1], xb, v11);
+                }
             }
         }
-        if (split == 2)
-            for (int r = 0; r < mr; r++)
-                for (int b = 0; b < nr; b++) d[r][b][0] = _mm512_add_epi32(d[r][b][0], d[r][b][1]);
+        /* per channel: k pair 0 + k pair 1 (exact int32), channels 0-15 in order */
+        for (int r = 0; r < mr; r++)
+            for (int b = 0; b < nr; b++)
+                d[r][b][0] = _mm512_add_epi32(
+                    _mm512_permutex2var_epi32(d[r][b][0], even, d[r][b][1]),
+                    _mm512_permutex2var_epi32(d[r][b][0], odd, d[r][b][1]));
         if (raw) {
             for (int r = 0; r < mr; r++)
                 for (int b = 0; b < nr; b++) {
@@ -603,6 +635,8 @@ void shmk_gemm_group_dots(const int16_t *xq, int64_t m, const shmk_linear_t *w, 
     prepare(&c, NULL, xq);
     plan_and_run(&c);
 }
+
+int shmk_amx_bf16_min_rows(void) { return SHMK_AMX_MIN_M; }
 
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                       int accumulate) {

@@ -12,8 +12,8 @@
  * not depend on the thread count.
  *
  * Tiles: A = 16 rows x 32 bf16 of x (rows padded to 16 with zeros), B = the 16 pair-rows of one
- * packed block-group (gemm16.c's layout, 16 channels x 2 k per pair-row, is AMX's B layout once
- * each int8 is widened to bf16), C = 16 x 16 fp32.  A task takes a unit (two blocks, 32 channels)
+ * packed block-group (16 channels x 2 k each, AMX-BF16's B layout: one vpermw splits each of
+ * gemm16.c's quad rows into two, each int8 then widened to bf16), C = 16 x 16 fp32.  A task takes a unit (two blocks, 32 channels)
  * over a range of rows: the unit's weights are widened to bf16 once into thread-local scratch,
  * then for every 32 rows and group: 4 tile products into zeroed C tiles, which are stored and
  * folded into fp32 accumulators with the group scales. */
@@ -130,18 +130,28 @@ AMX_FN static void convert_task(void *vctx, int64_t task, int tid) {
     }
 }
 
-/* the unit's blocks (nblk = 1 or 2) widened to bf16: wb[b][g] = 16 pair-rows x 64 bytes */
+/* one pair row (channels 0-7 and 8-15 as int8 k pairs) -> 32 bf16 */
+AMX_FN static inline void store_bf16_pair_row(uint16_t *dst, __m128i lo8, __m128i hi8) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo8));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi8));
+    _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* the unit's blocks (nblk = 1 or 2) widened to bf16: wb[b][g] = 16 pair-rows x 64 bytes (the
+ * packed quad rows split into pair rows on the way) */
 AMX_FN static void widen_unit(const amx_ctx *c, int64_t blk, int nblk, uint16_t *wb) {
+    const __m512i pairs = _mm512_load_si512(SHMK_QUAD_TO_PAIRS);
     for (int b = 0; b < nblk; b++)
         for (int64_t g = 0; g < c->G; g++) {
             const int8_t *src = c->packed + ((blk + b) * c->G + g) * GBYTES;
             uint16_t *dst = wb + ((int64_t)b * c->G + g) * GBYTES;
-            for (int pr = 0; pr < 16; pr++) {
-                const __m512 lo = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + pr * 32))));
-                const __m512 hi = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + pr * 32 + 16))));
-                _mm512_storeu_si512((void *)(dst + pr * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            for (int r = 0; r < 8; r++) { /* quad row r -> pair rows 2r, 2r + 1 */
+                const __m512i q = _mm512_permutexvar_epi16(
+                    pairs, _mm512_loadu_si512((const void *)(src + r * 64)));
+                store_bf16_pair_row(dst + 2 * r * 32, _mm512_extracti32x4_epi32(q, 0),
+                                    _mm512_extracti32x4_epi32(q, 1));
+                store_bf16_pair_row(dst + (2 * r + 1) * 32, _mm512_extracti32x4_epi32(q, 2),
+                                    _mm512_extracti32x4_epi32(q, 3));
             }
         }
 }

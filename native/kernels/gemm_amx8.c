@@ -16,12 +16,15 @@
  * and, unlike the bf16 kernel, needs no int8 -> bf16 widening of the weights.
  *
  * Tiles: A_hi, A_lo = 16 rows x 32 bytes (one group of k; rows past m are zero), B = 8 rows x
- * 64 bytes (16 channels x 4 k, int8 AMX's layout; one vpermw per two pair rows of the packed
- * layout), C = 16 x 16 int32.  A task takes units (two blocks, 32 channels) over a range of rows:
- * each unit's B tiles are rearranged once into thread-local scratch, then per block and 16 rows
- * the groups run in order: two products each (B and C tiles alternate between groups), stored a
- * group later to one half of a double buffer, folded into 16 zmm accumulators a group after
- * that. */
+ * 64 bytes (16 channels x 4 k, int8 AMX's layout, which is gemm16.c's packed layout: tiles load
+ * straight from the weights), C = 16 x 16 int32.  A task takes units (two blocks, 32 channels)
+ * over a range of rows: per block and 16 rows the groups run in order: two products each (B and
+ * C tiles alternate between groups), stored a group later to one half of a double buffer,
+ * folded into 16 zmm accumulators a group after that.
+ * NOTE: at 16 rows the kernel waits on memory, not on the tile unit (~70 TSC ticks a group with
+ * the weights in cache, ~150 streaming them with both cores): the weights were once rearranged
+ * into scratch per unit (a vpermw per 64 bytes), and that copy, stalled on each unit's first
+ * touch, cost 15-20% of a cold stream. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -74,18 +77,6 @@ static void quant_task(void *vctx, int64_t task, int tid) {
     }
 }
 
-/* the unit's blocks (nblk = 1 or 2) in int8 AMX's B layout: bq[b][g] = 8 rows x 64 bytes, row r
- * = 16 channels x k 4r..4r+3, i.e. the packed pair rows 2r and 2r+1 interleaved by channel */
-AMX8_FN static void rearrange_unit(const amx8_ctx *c, int64_t blk, int nblk, int8_t *bq) {
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
-                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const int64_t bytes = (int64_t)nblk * c->G * GBYTES;
-    const int8_t *src = c->packed + blk * c->G * GBYTES;
-    for (int64_t off = 0; off < bytes; off += 64)
-        _mm512_storeu_si512((void *)(bq + off),
-                            _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(src + off)));
-}
-
 /* One row of a group's fold: a += s * (256 hi + lo), the int32 sum exact (see above). */
 #define FOLD_ROW(r, a)                                                                         \
     a = _mm512_fmadd_ps(                                                                       \
@@ -120,13 +111,14 @@ AMX8_FN static void store_rows(const amx8_ctx *c, int64_t blk, int64_t r0, int n
     }
 }
 
-/* Rows r0 .. r0+nrow-1 (nrow <= 16) of one block (16 channels, B tiles at bq) over all groups.
+/* Rows r0 .. r0+nrow-1 (nrow <= 16) of one block (16 channels) over all groups.
  * Accumulators are 16 named zmm (an array would live on the stack).
  * NOTE: the tile numbers are immediates: A_hi 0, A_lo 1, B 2 / 3 and C 4-5 / 6-7 (hi, lo) for
  * even / odd groups. */
-AMX8_FN static void block_rows(const amx8_ctx *c, int64_t blk, const int8_t *bq, int64_t r0,
-                               int nrow, int prefetch, int32_t *cbuf) {
+AMX8_FN static void block_rows(const amx8_ctx *c, int64_t blk, int64_t r0, int nrow, int prefetch,
+                               int32_t *cbuf) {
     const int64_t G = c->G, kp = c->kp;
+    const int8_t *bq = c->packed + blk * G * GBYTES; /* each group one B tile (gemm16.c) */
     const uint16_t *scales = c->scales + blk * G * NB;
     /* NOTE: the weights of the block after next come to L2 a group at a time during the first
      * row pass (all at once, the prefetches stalled on full miss queues: 12% of the samples). */
@@ -195,7 +187,6 @@ AMX8_FN static void amx8_task(void *vctx, int64_t task, int tid) {
     const amx8_ctx *c = vctx;
     int64_t u0, u1, i0, i1;
     shmk_amx_task(&c->plan, task, &u0, &u1, &i0, &i1);
-    int8_t *bq = shmk_scratch(6, (size_t)(2 * c->G * GBYTES));
     int32_t *cbuf = shmk_scratch(7, 2 * 512 * sizeof(int32_t));
     /* A_hi, A_lo: 16 x 32 bytes; B: 8 x 64 bytes; C: 16 x 16 int32 */
     static const uint8_t rows[8] = {MR, MR, GK / 4, GK / 4, MR, MR, MR, MR};
@@ -204,11 +195,10 @@ AMX8_FN static void amx8_task(void *vctx, int64_t task, int tid) {
     for (int64_t u = u0; u < u1; u++) {
         const int64_t blk = 2 * u;
         const int nblk = blk + 1 < c->nb ? 2 : 1;
-        rearrange_unit(c, blk, nblk, bq);
         for (int b = 0; b < nblk; b++)
             for (int64_t r0 = i0; r0 < i1; r0 += MR) {
                 const int64_t rows = i1 - r0 < MR ? i1 - r0 : MR;
-                block_rows(c, blk + b, bq + b * c->G * GBYTES, r0, (int)rows, r0 == i0, cbuf);
+                block_rows(c, blk + b, r0, (int)rows, r0 == i0, cbuf);
             }
     }
     _tile_release();

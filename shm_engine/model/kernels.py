@@ -20,8 +20,8 @@ thread counts agree bit for bit:
 * ``y = acc * (sx * scale_mult) + bias``.
 
 Path "amx" (CPUs with AMX-BF16 and AMX-INT8; the best path there) runs everything as "vnni"
-except linear calls of >= 16 rows. Those of >= 17 rows whose weight has ``act_bf16`` (the
-default) round the activations to bf16 (nearest even) instead of int16 and run on bf16 tiles
+except linear calls of >= 16 rows. Those of >= ``AMX_BF16_MIN_ROWS`` (64) rows whose weight has
+``act_bf16`` (the default) round the activations to bf16 (nearest even) instead of int16 and run on bf16 tiles
 (native/kernels/gemm_amx.c), with the weights entering exactly and the group scales applied in
 fp32 as above; their results differ from the other paths by the bf16 rounding. The rest run on
 int8 tiles (native/kernels/gemm_amx8.c) with exactly "vnni"'s results. Nothing depends on the
@@ -44,6 +44,7 @@ import torch
 from shm_engine._kernels_cffi import ffi, lib
 
 __all__ = [
+    "AMX_BF16_MIN_ROWS",
     "PATHS",
     "KV_DTYPES",
     "LayerScratch",
@@ -75,6 +76,8 @@ __all__ = [
 
 PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 _PATH_NAMES = {v: k for k, v in PATHS.items()}
+# On path "amx", act_bf16 weights take the bf16 kernel from this many rows (native SHMK_AMX_MIN_M)
+AMX_BF16_MIN_ROWS = int(lib.shmk_amx_bf16_min_rows())
 
 
 # --------------------------------------------------------------------------- dispatch / threads

@@ -177,7 +177,7 @@ def bf16_reference(x: torch.Tensor, p: K.PackedLinear) -> torch.Tensor:
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
-    "m,n,k", [(24, 17, 7), (25, 50, 100), (33, 960, 576), (64, 33, 131), (130, 3072, 64),
+    "m,n,k", [(64, 17, 7), (65, 50, 100), (97, 960, 576), (64, 33, 131), (130, 3072, 64),
               (300, 576, 1536), (1024, 40, 33)],
 )  # fmt: skip
 def test_amx_linear_matches_bf16_reference(bias, m, n, k):
@@ -195,21 +195,26 @@ def test_amx_linear_matches_bf16_reference(bias, m, n, k):
     assert ((y - y16).norm() / y16.norm()).item() < 1e-2
 
 
+INT8_TILE_SHAPES = [(16, 17, 7), (17, 50, 100), (23, 960, 576), (31, 33, 131), (33, 3072, 64),
+                    (63, 50, 100), (130, 576, 1536), (300, 40, 33)]  # fmt: skip
+
+
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
-    "m,n,k", [(16, 17, 7), (17, 50, 100), (23, 960, 576), (31, 33, 131), (33, 3072, 64),
-              (130, 576, 1536), (300, 40, 33)],
-)  # fmt: skip
-def test_amx_int8_tiles_match_vnni_bit_for_bit(bias, m, n, k):
-    """Weights without act_bf16 (and any weight at exactly 16 rows) take the AMX-INT8 kernel from
-    16 rows, which promises path "vnni"'s exact numbers (the fused residual add: see
+    "m,n,k,act_bf16",
+    [(*s, False) for s in INT8_TILE_SHAPES]
+    + [(*s, True) for s in INT8_TILE_SHAPES if s[0] < K.AMX_BF16_MIN_ROWS],
+)
+def test_amx_int8_tiles_match_vnni_bit_for_bit(bias, m, n, k, act_bf16):
+    """Weights without act_bf16 take the AMX-INT8 kernel from 16 rows, the others from 16 to
+    AMX_BF16_MIN_ROWS - 1; it promises path "vnni"'s exact numbers (the fused residual add: see
     test_fused_layer_int8_tiles_match_vnni)."""
     g = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(m, k, generator=g) * 4
-    p = K.PackedLinear.from_float(w, b, act_bf16=False)
+    p = K.PackedLinear.from_float(w, b, act_bf16=act_bf16)
     with K.use_path("vnni"):
         want = K.linear(x, p)
     with K.use_path("amx"):
@@ -222,13 +227,14 @@ def test_amx_only_for_large_m_and_act_bf16_weights():
     w = torch.randn(64, 96, generator=g)
     exact = K.PackedLinear.from_float(w, act_bf16=False)
     fast = K.PackedLinear.from_float(w)
-    for m in (1, 16, 17, 200):
+    lim = K.AMX_BF16_MIN_ROWS
+    for m in (1, 16, 17, lim - 1, lim, 200):
         x = torch.randn(m, 96, generator=g)
         with K.use_path("vnni"):
             want = K.linear(x, exact)
         with K.use_path("amx"):
             assert torch.equal(K.linear(x, exact), want)  # int16 activations whatever m
-            assert torch.equal(K.linear(x, fast), want) == (m < 17)
+            assert torch.equal(K.linear(x, fast), want) == (m < lim)
 
 
 def test_linear_batched_leading_dims_and_out():
