@@ -41,7 +41,7 @@ typedef struct {
     /* 1: on AMX machines, calls of >= shmk_amx_bf16_min_rows() rows round the activations to bf16
      * (gemm_amx.c);
      * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
-     * those run on int8 tiles from 16 rows, with the same results: gemm_amx8.c) */
+     * those run on int8 tiles from 9 rows, with the same results: gemm_amx8.c) */
     int act_bf16;
 } shmk_linear_t;
 

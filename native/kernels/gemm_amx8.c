@@ -12,8 +12,9 @@
  * Cost per 16 x 16 x 32 block: two products and two tile stores, ~18 and ~17 cycles each
  * whatever the row count, which the tile unit runs one after another, plus the fold on vector
  * units, which barely overlaps them (~80 TSC ticks a block measured, ~52 of them tile work).
- * That beats `vpdpwssd` 1.1-1.5x from 16 rows (8 rows cost what 16 do, so fewer stay on VNNI)
- * and, unlike the bf16 kernel, needs no int8 -> bf16 widening of the weights.
+ * That beats `vpdpwssd` 1.1-1.5x from 16 rows and, as 9 rows cost what 16 do while decode waits
+ * on the weight stream anyway, from 9 rows in the model (common.h); unlike the bf16 kernel it
+ * needs no int8 -> bf16 widening of the weights.
  *
  * Tiles: A_hi, A_lo = 16 rows x 32 bytes (one group of k; rows past m are zero), B = 8 rows x
  * 64 bytes (16 channels x 4 k, int8 AMX's layout, which is gemm16.c's packed layout: tiles load

@@ -11,8 +11,8 @@ thread counts agree bit for bit:
 * weights, once at load: int8 with a scale per (output channel, 32 consecutive k):
   ``s = fp16(max|w| / 127 * 2^E) * 2^-E`` (``E`` per matrix keeps the fp16 scales in range;
   ``scale_mult = 2^-E``), ``q = rint(w / s)`` in [-127, 127]; packed in blocks of 16 channels,
-  per group 16 rows of 16 channels x 2 consecutive k (one ``vpmovsxbw`` gives a zmm of int16 pairs
-  for ``vpdpwssd``); N padded to 16 and K to 32 with zeros;
+  per group 8 rows of 16 channels x 4 consecutive k (an AMX-INT8 B tile; ``vpmovsxbw`` of half a
+  row gives a zmm of int16 pairs for ``vpdpwssd``); N padded to 16 and K to 32 with zeros;
 * activations, per call: per row (token) ``xq = rint(x * 32767 / max|x|)`` in [-32767, 32767]
   (int16, symmetric), ``sx = max|x| / 32767``;
 * per group ``dot = sum_k xq * q`` exactly in int32 (AVX512-VNNI ``vpdpwssd``, AVX2
@@ -20,7 +20,7 @@ thread counts agree bit for bit:
 * ``y = acc * (sx * scale_mult) + bias``.
 
 Path "amx" (CPUs with AMX-BF16 and AMX-INT8; the best path there) runs everything as "vnni"
-except linear calls of >= 16 rows. Those of >= ``AMX_BF16_MIN_ROWS`` (64) rows whose weight has
+except linear calls of >= 9 rows. Those of >= ``AMX_BF16_MIN_ROWS`` (64) rows whose weight has
 ``act_bf16`` (the default) round the activations to bf16 (nearest even) instead of int16 and run on bf16 tiles
 (native/kernels/gemm_amx.c), with the weights entering exactly and the group scales applied in
 fp32 as above; their results differ from the other paths by the bf16 rounding. The rest run on

@@ -195,7 +195,7 @@ def test_amx_linear_matches_bf16_reference(bias, m, n, k):
     assert ((y - y16).norm() / y16.norm()).item() < 1e-2
 
 
-INT8_TILE_SHAPES = [(16, 17, 7), (17, 50, 100), (23, 960, 576), (31, 33, 131), (33, 3072, 64),
+INT8_TILE_SHAPES = [(9, 50, 100), (12, 960, 576), (16, 17, 7), (17, 50, 100), (23, 960, 576), (31, 33, 131), (33, 3072, 64),
                     (63, 50, 100), (130, 576, 1536), (300, 40, 33)]  # fmt: skip
 
 
@@ -207,7 +207,7 @@ INT8_TILE_SHAPES = [(16, 17, 7), (17, 50, 100), (23, 960, 576), (31, 33, 131), (
     + [(*s, True) for s in INT8_TILE_SHAPES if s[0] < K.AMX_BF16_MIN_ROWS],
 )
 def test_amx_int8_tiles_match_vnni_bit_for_bit(bias, m, n, k, act_bf16):
-    """Weights without act_bf16 take the AMX-INT8 kernel from 16 rows, the others from 16 to
+    """Weights without act_bf16 take the AMX-INT8 kernel from 9 rows, the others from 9 to
     AMX_BF16_MIN_ROWS - 1; it promises path "vnni"'s exact numbers (the fused residual add: see
     test_fused_layer_int8_tiles_match_vnni)."""
     g = torch.Generator().manual_seed(m * n + k)
