@@ -83,6 +83,18 @@ def test_silu_mul(path, m, f):
     torch.testing.assert_close(K.silu_mul(gu), ref, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.skipif("vnni" not in PATHS, reason="needs AVX-512")
+@pytest.mark.parametrize("m,f", [(16, 1536), (3, 1000), (2, 4099)])  # parallel; zmm tails
+def test_silu_mul_zmm_equals_avx2(m, f):
+    """The AVX-512 loop repeats the AVX2 one's operations lane for lane: same bits."""
+    gu = torch.randn(m, 2 * f, generator=gen(f)) * 8
+    outs = []
+    for path in ("avx2", "vnni"):
+        with K.use_path(path):
+            outs.append(K.silu_mul(gu))
+    assert torch.equal(outs[0], outs[1])
+
+
 KV_DTYPES = [torch.float32, torch.float16]
 
 
