@@ -65,6 +65,9 @@ void shmk_rope(float *q, float *k, const int64_t *pos, int64_t t, int64_t hq, in
                const float *cos_sin, int64_t max_pos);
 /* out[m][f] = silu(gu[m][f]) * gu[m][f + f_dim] */
 void shmk_silu_mul(const float *gu, int64_t m, int64_t f, float *out);
+/* out[i] = the first index of row i's largest value (x [m][n], n >= 1); NaN counts as -inf, so a
+ * row without a number above -inf gives 0 */
+void shmk_argmax_rows(const float *x, int64_t m, int64_t n, int64_t *out);
 
 /* ---- paged KV cache (attention.c) ----
  * Per layer, k and v each [num_blocks][hk][block_size][d] (head-major inside a block), fp32 or

@@ -174,3 +174,64 @@ void shmk_silu_mul(const float *gu, int64_t m, int64_t f, float *out) {
     if (c.rows < 1) c.rows = 1;
     shmk_parallel(silu_task, &c, shmk_cdiv(m, c.rows));
 }
+
+/* ------------------------------------------------------------------ argmax (greedy sampling)
+ * NOTE: the LM head's batch-16 logits (3 MB) sit in both cores' caches when sampling starts;
+ * numpy's argmax read them on one thread at ~0.5 ms, the pool splits the rows. */
+static int64_t argmax_row_portable(const float *x, int64_t n) {
+    int64_t best = 0;
+    float v = -INFINITY;
+    for (int64_t j = 0; j < n; j++)
+        if (x[j] > v) v = x[j], best = j; /* NaN compares false: never taken */
+    return best;
+}
+
+AVX512_FN static int64_t argmax_row_avx512(const float *x, int64_t n) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    __m512i vidx = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                    10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    int64_t j = 0;
+    /* per lane the first position of its maximum (strict >: earlier wins ties, NaN never) */
+    for (; j + 16 <= n; j += 16, idx = _mm512_add_epi32(idx, step)) { /* n < 2^31 (kernels.py) */
+        const __m512 v = _mm512_loadu_ps(x + j);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+        vmax = _mm512_mask_mov_ps(vmax, gt, v);
+        vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
+    }
+    const float m = _mm512_reduce_max_ps(vmax);
+    int64_t best = 0;
+    float v = -INFINITY;
+    if (m > -INFINITY) { /* the smallest index among the lanes holding the maximum */
+        const __mmask16 at = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(m), _CMP_EQ_OQ);
+        best = _mm512_mask_reduce_min_epi32(at, vidx);
+        v = m;
+    }
+    for (; j < n; j++)
+        if (x[j] > v) v = x[j], best = j;
+    return best;
+}
+
+typedef struct {
+    const float *x;
+    int64_t n, rows;
+    int64_t *out;
+    int wide;
+} argmax_ctx;
+
+static void argmax_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const argmax_ctx *c = vctx;
+    for (int64_t r = task * c->rows; r < (task + 1) * c->rows; r++)
+        c->out[r] = c->wide ? argmax_row_avx512(c->x + r * c->n, c->n)
+                            : argmax_row_portable(c->x + r * c->n, c->n);
+}
+
+void shmk_argmax_rows(const float *x, int64_t m, int64_t n, int64_t *out) {
+    argmax_ctx c = {x, n, 1, out, shmk_path() >= SHMK_VNNI};
+    if (m * n < 16384) { /* one row of a small vocabulary: not worth a wake-up */
+        for (int64_t r = 0; r < m; r++) argmax_task(&c, r, 0);
+        return;
+    }
+    shmk_parallel(argmax_task, &c, m);
+}

@@ -51,6 +51,7 @@ __all__ = [
     "LayerStep",
     "LlamaLayer",
     "PackedLinear",
+    "argmax_rows",
     "best_path",
     "get_num_threads",
     "get_path",
@@ -70,6 +71,7 @@ __all__ = [
     "set_num_threads",
     "set_path",
     "silu_mul",
+    "argmax_rows",
     "use_path",
     "write_kv",
 ]
@@ -398,6 +400,19 @@ def rope(
         raise ValueError(f"cos_sin must be [max_pos, {d}], got {tuple(cos_sin.shape)}")
     kp = _f32(k) if k is not None else ffi.NULL
     lib.shmk_rope(_f32(q), kp, _i64(pos), t, hq, hk, d, _f32(cos_sin), cos_sin.shape[0])
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 [m]: the first index of each row's largest value of x [m, n] fp32 (n >= 1); NaN
+    counts as -inf, so a row with nothing above -inf gives 0. Rows run in parallel on the pool."""
+    _check(x, "x", torch.float32, 2)
+    m, n = x.shape
+    if n < 1 or n >= 2**31:
+        raise ValueError(f"x must have 1 to 2**31 - 1 columns, got {n}")
+    out = torch.empty(m, dtype=torch.int64)
+    if m:
+        lib.shmk_argmax_rows(_f32(x), m, n, _i64(out))
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shm_engine.model import kernels
 from shm_engine.model.sample_native import sample_rows
 from shm_engine.sampling_params import SamplingParams
 
@@ -335,5 +336,9 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Row argmax via numpy: ~8x faster than torch.argmax over a 49k vocabulary on CPU."""
-    return torch.from_numpy(x.detach().to(torch.float32).contiguous().numpy().argmax(axis=-1))
+    """Row argmax (first index of the maximum; NaN counts as -inf) on the native kernel pool.
+
+    NOTE: numpy's argmax (itself ~3x torch's) took ~0.5 ms for batch-16 logits fresh from the LM
+    head, ~2% of a decode step; the kernel splits the rows over the cores.
+    """
+    return kernels.argmax_rows(x.detach().to(torch.float32).contiguous())

@@ -357,3 +357,31 @@ def test_llama_forward_is_the_layers_in_order():
         K.LlamaStack(layers, caches[:2])
     with pytest.raises(ValueError, match="hidden"):
         K.llama_forward(K.LlamaStack(layers, caches), step, got[:-1].contiguous())
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 17), (16, 49152), (2, 100003)])
+def test_argmax_rows(path, m, n):
+    K.set_path(path)
+    x = torch.randn(m, n, generator=gen(n))
+    assert torch.equal(K.argmax_rows(x), x.argmax(-1))
+    # ties: the first index; NaN counts as -inf; nothing above -inf: 0
+    x[0] = -torch.inf
+    if n > 5:
+        x[0, 2] = x[0, 5] = 3.0
+        x[0, 1] = x[0, n - 1] = torch.nan
+        want = 2
+    else:
+        want = 0
+    if m > 1:
+        x[-1] = torch.nan
+    got = K.argmax_rows(x)
+    assert got[0].item() == want
+    assert m == 1 or got[-1].item() == 0
+
+
+def test_argmax_rows_rejects_bad_input():
+    with pytest.raises(ValueError, match="columns"):
+        K.argmax_rows(torch.empty(2, 0))
+    with pytest.raises(TypeError, match="dtype"):
+        K.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
