@@ -669,23 +669,6 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
  * D is a compile-time 64 or 128 (the broadcasts then use immediate offsets). */
 #define ATT_ROWS_MAX_G 16 /* query heads per kv head this path takes */
 
-INLINE AVX512_FN __m512 exp512(__m512 x) { /* exp256's polynomial on 16 lanes */
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-}
-
 /* dst[p][0..d) = the fp32 kv rows p = 0 .. end-1 of head h; rows end .. pad-1 zero */
 AVX512_FN static void widen_all(const shmk_kv_t *kv, const void *cache, const int32_t *bt_row,
                                 int64_t h, int64_t end, int64_t pad, float *dst) {

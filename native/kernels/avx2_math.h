@@ -1,4 +1,5 @@
-/* AVX2 math helpers shared by the element-wise ops and attention (header-only, inlined). */
+/* SIMD math helpers shared by the element-wise ops and attention (header-only, inlined): AVX2,
+ * and exp on zmm for the AVX-512 loops. */
 #ifndef SHMK_AVX2_MATH_H
 #define SHMK_AVX2_MATH_H
 #include <immintrin.h>
@@ -23,6 +24,24 @@ INLINE AVX2_FN __m256 exp256(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+/* exp256's steps lane for lane on 16 lanes (the same IEEE operations, so the same results) */
+INLINE __attribute__((target("avx512f"))) __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
 }
 
 INLINE AVX2_FN float hsum256(__m256 v) {

@@ -114,24 +114,6 @@ AVX2_FN static void silu_mul_row_avx2(const float *g, const float *u, int64_t f,
 
 #define AVX512_FN __attribute__((target("avx512f")))
 
-/* exp256's steps lane for lane on zmm (the same IEEE operations, so the same results) */
-INLINE AVX512_FN __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-}
-
 AVX512_FN static void silu_mul_row_avx512(const float *g, const float *u, int64_t f, float *out) {
     int64_t i = 0;
     const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
