@@ -13,8 +13,9 @@
  *
  * Tiles: A = 16 rows x 32 bf16 of x (rows padded to 16 with zeros), B = the 16 pair-rows of one
  * packed block-group (16 channels x 2 k each, AMX-BF16's B layout: one vpermw splits each of
- * gemm16.c's quad rows into two, each int8 then widened to bf16), C = 16 x 16 fp32.  A task takes a unit (two blocks, 32 channels)
- * over a range of rows: the unit's weights are widened to bf16 once into thread-local scratch,
+ * gemm16.c's quad rows into two, each int8 then widened to bf16), C = 16 x 16 fp32.  A task
+ * takes a unit (two blocks, 32 channels) over a range of rows: the unit's weights are widened to
+ * bf16 once into thread-local scratch,
  * then for every 32 rows and group: 4 tile products into zeroed C tiles, which are stored and
  * folded into fp32 accumulators with the group scales. */
 #define _GNU_SOURCE
