@@ -12,7 +12,7 @@
 enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
 /* NOTE: since the packed layout is the int8 tiles' own (gemm16.c), the exact int8-tile kernel
  * beats the bf16 one up to ~48 rows (hot GEMMs, 2 threads: 6-20% at 17-48 rows, even at 64,
- * bf16 ahead 10-40% from 128) */
+ * bf16 ahead 5-50% from 128) */
 #define SHMK_AMX_MIN_M 64
 /* NOTE: a tile pass costs the same for 9 rows as for 16 and decode at 9-16 rows waits on the
  * weight stream either way; model steps at 9-12 rows measured 8-12% faster than on VNNI (tie at
@@ -23,12 +23,7 @@ enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
 #define GK 32            /* k per scale group */
 #define NB 16            /* channels per block */
 #define GBYTES (GK * NB) /* bytes of one block-group */
-/* word permutation (vpermw index) of one 64-byte quad row, whose words are channel c's k pairs
- * at 2c and 2c + 1, into its two pair rows: words 0-15 = every channel's first k pair, 16-31 =
- * the second (gemm16.c's and gemm_amx.c's int16 / bf16 kernels read pair rows) */
-static const uint16_t SHMK_QUAD_TO_PAIRS[32] __attribute__((aligned(64))) = {
-    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-    1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
 
 static inline int64_t shmk_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

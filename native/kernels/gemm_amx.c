@@ -140,6 +140,13 @@ AMX_FN static void convert_task(void *vctx, int64_t task, int tid) {
     }
 }
 
+/* word permutation (vpermw index) of one 64-byte quad row, whose words are channel c's k pairs
+ * at 2c and 2c + 1, into its two pair rows (AMX-BF16's B layout): words 0-15 = every channel's
+ * first k pair, 16-31 = the second */
+static const uint16_t QUAD_TO_PAIRS[32] __attribute__((aligned(64))) = {
+    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+    1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
 /* one pair row (channels 0-7 and 8-15 as int8 k pairs) -> 32 bf16 */
 AMX_FN static inline void store_bf16_pair_row(uint16_t *dst, __m128i lo8, __m128i hi8) {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo8));
@@ -150,7 +157,7 @@ AMX_FN static inline void store_bf16_pair_row(uint16_t *dst, __m128i lo8, __m128
 /* the unit's blocks (nblk = 1 or 2) widened to bf16: wb[b][g] = 16 pair-rows x 64 bytes (the
  * packed quad rows split into pair rows on the way) */
 AMX_FN static void widen_unit(const amx_ctx *c, int64_t blk, int nblk, uint16_t *wb) {
-    const __m512i pairs = _mm512_load_si512(SHMK_QUAD_TO_PAIRS);
+    const __m512i pairs = _mm512_load_si512(QUAD_TO_PAIRS);
     for (int b = 0; b < nblk; b++)
         for (int64_t g = 0; g < c->G; g++) {
             const int8_t *src = c->packed + ((blk + b) * c->G + g) * GBYTES;
