@@ -20,12 +20,12 @@ thread counts agree bit for bit:
 * ``y = acc * (sx * scale_mult) + bias``.
 
 Path "amx" (CPUs with AMX-BF16 and AMX-INT8; the best path there) runs everything as "vnni"
-except linear calls of >= 9 rows. Those of >= ``AMX_BF16_MIN_ROWS`` (64) rows whose weight has
-``act_bf16`` (the default) round the activations to bf16 (nearest even) instead of int16 and run on bf16 tiles
-(native/kernels/gemm_amx.c), with the weights entering exactly and the group scales applied in
-fp32 as above; their results differ from the other paths by the bf16 rounding. The rest run on
-int8 tiles (native/kernels/gemm_amx8.c) with exactly "vnni"'s results. Nothing depends on the
-thread count.
+except linear calls of >= 9 rows. Those of >= ``AMX_BF16_MIN_ROWS`` (64) rows whose weight
+has ``act_bf16`` (the default) round the activations to bf16 (nearest even) instead of int16 and
+run on bf16 tiles (native/kernels/gemm_amx.c), with the weights entering exactly and the group
+scales applied in fp32 as above; their results differ from the other paths by the bf16 rounding.
+The rest run on int8 tiles (native/kernels/gemm_amx8.c) with exactly "vnni"'s results. Nothing
+depends on the thread count.
 
 KV cache layout (per layer): ``k_cache, v_cache: [num_blocks, Hkv, block_size, D]``, float32 or
 float16 (``KV_DTYPES``; fp16 is rounded to nearest even on write and widened exactly on read, the
@@ -71,7 +71,6 @@ __all__ = [
     "set_num_threads",
     "set_path",
     "silu_mul",
-    "argmax_rows",
     "use_path",
     "write_kv",
 ]

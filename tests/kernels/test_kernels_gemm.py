@@ -195,8 +195,9 @@ def test_amx_linear_matches_bf16_reference(bias, m, n, k):
     assert ((y - y16).norm() / y16.norm()).item() < 1e-2
 
 
-INT8_TILE_SHAPES = [(9, 50, 100), (12, 960, 576), (16, 17, 7), (17, 50, 100), (23, 960, 576), (31, 33, 131), (33, 3072, 64),
-                    (63, 50, 100), (130, 576, 1536), (300, 40, 33)]  # fmt: skip
+INT8_TILE_SHAPES = [(9, 50, 100), (12, 960, 576), (16, 17, 7), (17, 50, 100), (23, 960, 576),
+                    (31, 33, 131), (33, 3072, 64), (63, 50, 100), (130, 576, 1536),
+                    (300, 40, 33)]  # fmt: skip
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX")
