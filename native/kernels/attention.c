@@ -93,8 +93,9 @@ static void write_rows(const float *k, const float *v, int64_t stride, const int
     const int64_t nslots = kv->num_blocks * kv->block_size;
     const size_t esz = kv_esize(kv);
     /* NOTE: a decode step's rows land in as many cache blocks as sequences, each store a miss:
-     * ask for every destination line first so the misses overlap (batch 16: 8-10 -> 7-8 us) */
-    for (int64_t i = 0; i < t && t <= 64; i++) {
+     * ask for every destination line first so the misses overlap (batch 16: 8-10 -> 7-8 us;
+     * a prefill's rows fill whole blocks in order, which the hardware prefetcher follows) */
+    for (int64_t i = 0; i < (t <= 64 ? t : 0); i++) {
         const int64_t s = slots[i];
         if (s < 0 || s >= nslots) continue;
         for (int64_t h = 0; h < kv->hk; h++) {

@@ -24,7 +24,6 @@ enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
 #define NB 16            /* channels per block */
 #define GBYTES (GK * NB) /* bytes of one block-group */
 
-
 static inline int64_t shmk_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Current dispatch path (set once from the CPU / SHMK_PATH env, or by shmk_set_path). */

@@ -176,14 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         # A second, idle-when-unused engine driven directly; the two paths alternate so that
         # background load on a shared machine hits both alike.
-        mp = SyncMPClient(
-            EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, num_threads=args.threads)
-        )
+        cfg = EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, num_threads=args.threads)
+        mp = SyncMPClient(cfg)
         client_tpot(mp, prompt_ids[:2], 4)  # warm-up
         # The in-process engine too, measured in every round: the machine drifts within minutes.
-        ip = InprocClient(
-            EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, num_threads=args.threads)
-        )
+        ip = InprocClient(cfg)
         # NOTE: no full collection over the models and clients loaded above during the timing
         # (one took 75-135 ms in a server-sized heap): every path's figures would take the stall.
         gc.collect()
