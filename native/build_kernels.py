@@ -10,7 +10,16 @@ from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE / "kernels"
-SOURCES = ["pool.c", "gemm16.c", "gemm_amx.c", "gemm_amx8.c", "ops.c", "attention.c", "layer.c"]
+SOURCES = [
+    "pool.c",
+    "gemm16.c",
+    "gemm_amx.c",
+    "gemm_amx8.c",
+    "ops.c",
+    "kv_quant.c",
+    "attention.c",
+    "layer.c",
+]
 
 
 def _cdef() -> str:

@@ -70,13 +70,16 @@ void shmk_silu_mul(const float *gu, int64_t m, int64_t f, float *out);
 void shmk_argmax_rows(const float *x, int64_t m, int64_t n, int64_t *out);
 
 /* ---- paged KV cache (attention.c) ----
- * Per layer, k and v each [num_blocks][hk][block_size][d] (head-major inside a block), fp32 or
- * IEEE fp16 (rounded to nearest even on write, widened exactly on read; math is fp32).
+ * Per layer, k and v each [num_blocks][hk][rows][d] (head-major inside a block), fp32 or IEEE
+ * fp16 (rounded to nearest even on write, widened exactly on read; math is fp32), rows =
+ * block_size; or int8 (d a power of two <= 1024), rows = block_size + cdiv(4 block_size, d): a
+ * row per position (keys Hadamard-rotated) quantised with its own fp32 scale, the block_size
+ * scales after them (see kv_quant.c).
  * slot s -> (block s / block_size, offset s % block_size); slots outside the cache are skipped. */
 typedef struct {
     void *k, *v;
     int64_t num_blocks, block_size, hk, d;
-    int dtype;                    /* 0 = fp32, 1 = fp16 */
+    int dtype;                    /* 0 = fp32, 1 = fp16, 2 = int8 */
 } shmk_kv_t;
 
 /* k, v [t][hk][d] fp32 -> the cache at slots (int64 [t]) */

@@ -1,11 +1,15 @@
 /* The paged KV cache and causal attention over it, for mixed prefill / decode batches.
  *
- * Cache, per layer: k and v each [num_blocks][hk][block_size][d], fp32 or IEEE fp16.
- * Head-major inside a block: one (block, kv head) is a contiguous block_size x d slab, so a task
- * (one sequence, one kv head) streams contiguous memory that the hardware prefetcher follows.
- * fp16 halves the bytes batched decode reads (at a few hundred tokens of context it is bound by
- * reading the cache); values are rounded to nearest even once, on write (F16C, or the portable
- * conversion, bit-identical), and widened exactly on read; all arithmetic stays fp32. */
+ * Cache, per layer: k and v each [num_blocks][hk][slab rows][d], fp32, IEEE fp16 or int8.
+ * Head-major inside a block: one (block, kv head) is a contiguous slab of block_size rows, so a
+ * task (one sequence, one kv head) streams contiguous memory that the hardware prefetcher
+ * follows.  fp16 halves the bytes batched decode reads (at a few hundred tokens of context it is
+ * bound by reading the cache); values are rounded to nearest even once, on write (F16C, or the
+ * portable conversion, bit-identical), and widened exactly on read; all arithmetic stays fp32.
+ * int8 halves them again: each row is quantised on write with its own fp32 scale (kv_quant.c;
+ * key rows Hadamard-rotated first), the block_size scales stored after the slab's rows, in
+ * cdiv(4 block_size, d) more rows; readers widen int8 to fp32 and apply the row's scale to its
+ * score (keys) or its softmax weight (values), and see queries rotated like the keys. */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -56,11 +60,30 @@ static float f16_to_f32(uint16_t h) {
 }
 
 /* ------------------------------------------------------------------ cache addressing */
-static inline size_t kv_esize(const shmk_kv_t *kv) { return kv->dtype == 1 ? 2 : 4; }
+static inline size_t kv_esize(const shmk_kv_t *kv) {
+    return kv->dtype == 2 ? 1 : kv->dtype == 1 ? 2 : 4;
+}
+
+/* rows of one (block, kv head) slab: its block_size cache rows, then for int8 their scales */
+static inline int64_t slab_rows(const shmk_kv_t *kv) {
+    return kv->block_size + (kv->dtype == 2 ? shmk_cdiv(4 * kv->block_size, kv->d) : 0);
+}
 
 /* element offset of position `off` of kv head `h` in cache block `blk` */
 static inline size_t kv_offset(const shmk_kv_t *kv, int64_t blk, int64_t h, int64_t off) {
-    return (size_t)(((blk * kv->hk + h) * kv->block_size + off) * kv->d);
+    return (size_t)(((blk * kv->hk + h) * slab_rows(kv) + off) * kv->d);
+}
+
+/* the int8 row scale of position `off` of kv head `h` in cache block `blk` */
+static inline float *kv_scale(const shmk_kv_t *kv, const void *cache, int64_t blk, int64_t h,
+                              int64_t off) {
+    return (float *)((char *)cache + kv_offset(kv, blk, h, kv->block_size)) + off;
+}
+
+/* the scale a row's values are multiplied by (1 unless int8) */
+static inline float row_scale(const shmk_kv_t *kv, const void *cache, int64_t blk, int64_t h,
+                              int64_t off) {
+    return kv->dtype == 2 ? *kv_scale(kv, cache, blk, h, off) : 1.f;
 }
 
 /* ------------------------------------------------------------------ writes */
@@ -73,9 +96,21 @@ AVX2_FN static void put_f16_avx2(uint16_t *dst, const float *src, int64_t d) {
     for (; i < d; i++) dst[i] = f32_to_f16(src[i]);
 }
 
-static void put_row(const shmk_kv_t *kv, void *cache, size_t off, const float *src, int avx2) {
+/* src (d floats) -> position `off` of kv head `h` in block `blk`; keys are rotated first in int8
+ * (the row's copy: d <= 1024, checked by the callers) */
+static void put_row(const shmk_kv_t *kv, void *cache, int64_t blk, int64_t h, int64_t pos,
+                    const float *src, int is_key, int avx2) {
     const int64_t d = kv->d;
-    if (kv->dtype == 0) {
+    const size_t off = kv_offset(kv, blk, h, pos);
+    if (kv->dtype == 2) {
+        float rotated[1024];
+        if (is_key) {
+            memcpy(rotated, src, (size_t)d * sizeof(float));
+            shmk_fwht(rotated, d);
+            src = rotated;
+        }
+        shmk_quant_kv_row(src, d, (int8_t *)cache + off, kv_scale(kv, cache, blk, h, pos));
+    } else if (kv->dtype == 0) {
         memcpy((float *)cache + off, src, (size_t)d * sizeof(float));
     } else if (avx2) {
         put_f16_avx2((uint16_t *)cache + off, src, d);
@@ -89,6 +124,7 @@ static void put_row(const shmk_kv_t *kv, void *cache, size_t off, const float *s
  * skipped (the callers validate them; this keeps a bad slot from writing out of bounds). */
 static void write_rows(const float *k, const float *v, int64_t stride, const int64_t *slots,
                        int64_t t, const shmk_kv_t *kv) {
+    if (kv->dtype == 2 && (kv->d > 1024 || (kv->d & (kv->d - 1)))) return; /* callers check */
     const int avx2 = shmk_path() >= SHMK_AVX2;
     const int64_t nslots = kv->num_blocks * kv->block_size;
     const size_t esz = kv_esize(kv);
@@ -109,10 +145,10 @@ static void write_rows(const float *k, const float *v, int64_t stride, const int
     for (int64_t i = 0; i < t; i++) {
         const int64_t s = slots[i];
         if (s < 0 || s >= nslots) continue;
+        const int64_t blk = s / kv->block_size, pos = s % kv->block_size;
         for (int64_t h = 0; h < kv->hk; h++) {
-            const size_t off = kv_offset(kv, s / kv->block_size, h, s % kv->block_size);
-            put_row(kv, kv->k, off, k + i * stride + h * kv->d, avx2);
-            put_row(kv, kv->v, off, v + i * stride + h * kv->d, avx2);
+            put_row(kv, kv->k, blk, h, pos, k + i * stride + h * kv->d, 1, avx2);
+            put_row(kv, kv->v, blk, h, pos, v + i * stride + h * kv->d, 0, avx2);
         }
     }
 }
@@ -158,7 +194,9 @@ static inline int64_t ctx_len(const att_ctx *c, int64_t b) {
     return c->seq_lens[b] - (c->qsl[b + 1] - c->qsl[b]);
 }
 
+/* element i of the cache as stored (an int8 row's scale not applied) */
 static inline float kv_at(const shmk_kv_t *kv, const void *cache, size_t i) {
+    if (kv->dtype == 2) return (float)((const int8_t *)cache)[i];
     return kv->dtype == 1 ? f16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
 
@@ -177,10 +215,11 @@ static void att_task_portable(const att_ctx *c, const att_task *tk) {
             float m = -INFINITY, l = 0.f;
             for (int64_t i = 0; i < d; i++) o[i] = 0.f;
             for (int64_t p = 0; p <= pos; p++) {
-                const size_t off = kv_offset(kv, bt_row[p / bs], tk->hk, p % bs);
+                const int64_t blk = bt_row[p / bs];
+                const size_t off = kv_offset(kv, blk, tk->hk, p % bs);
                 float s = 0.f;
                 for (int64_t i = 0; i < d; i++) s += q[i] * kv_at(kv, kv->k, off + i);
-                s *= c->scale;
+                s *= row_scale(kv, kv->k, blk, tk->hk, p % bs) * c->scale;
                 if (s > m) {
                     float alpha = expf(m - s);
                     for (int64_t i = 0; i < d; i++) o[i] *= alpha;
@@ -189,7 +228,8 @@ static void att_task_portable(const att_ctx *c, const att_task *tk) {
                 }
                 float pr = expf(s - m);
                 l += pr;
-                for (int64_t i = 0; i < d; i++) o[i] += pr * kv_at(kv, kv->v, off + i);
+                const float pv = pr * row_scale(kv, kv->v, blk, tk->hk, p % bs);
+                for (int64_t i = 0; i < d; i++) o[i] += pv * kv_at(kv, kv->v, off + i);
             }
             float *out = c->out + ((q_start + ti) * c->hq + h) * d;
             for (int64_t i = 0; i < d; i++) out[i] = o[i] / l;
@@ -216,6 +256,22 @@ static inline void chunk_rows(const shmk_kv_t *kv, const void *cache, const int3
         }
     }
     for (int j = cn; j < ATT_CHUNK; j++) out[j] = out[0];
+}
+
+/* The int8 row scales of the same rows (1 past `end`).  NOTE: one address a block (the
+ * scales of a slab are contiguous): per row, the slab arithmetic cost a third of the decode
+ * kernel's time. */
+static inline void chunk_scales(const shmk_kv_t *kv, const void *cache, const int32_t *bt_row,
+                                int64_t h, int64_t c0, int64_t end, float *out) {
+    const int64_t bs = kv->block_size;
+    const int cn = end - c0 < ATT_CHUNK ? (int)(end - c0) : ATT_CHUNK;
+    int64_t bi = c0 / bs, off = c0 % bs;
+    for (int j = 0; j < cn;) {
+        const float *sc = kv_scale(kv, cache, bt_row[bi], h, 0);
+        for (; j < cn && off < bs; j++, off++) out[j] = sc[off];
+        off = 0, bi++;
+    }
+    for (int j = cn; j < ATT_CHUNK; j++) out[j] = 1.f;
 }
 
 /* Streams one kv head's cache rows chunk by chunk.  NOTE: rows ATT_PF chunks ahead are
@@ -253,6 +309,15 @@ AVX2_FN static void widen_f16(float *dst, const uint16_t *src, int64_t d) {
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 }
 
+/* dst = scale * src, one int8 row */
+AVX2_FN static void widen_i8(float *dst, const int8_t *src, float scale, int64_t d) {
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(src + i));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+    }
+}
+
 /* ------------------------------------------------------------------ AVX-512 inner loops
  * The AVX2 driver below calls these (not inlined: they are compiled for another target) once
  * per chunk and query row, so a call's cost is spread over 16 kv rows.  zmm halves the
@@ -265,13 +330,29 @@ AVX512_FN static void widen_f16_512(float *dst, const uint16_t *src, int64_t d) 
         _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
 }
 
+AVX512_FN static void widen_i8_512(float *dst, const int8_t *src, float scale, int64_t d) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < d; i += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
+    }
+}
+
 /* fp32 row pointers (into rows_out) of the chunk at c0; prefetches the chunk ATT_PF ahead (and,
  * on the first call, the ones before it) */
 AVX2_FN static const float *const *stream_chunk(chunk_stream *st, int64_t c0, float **rows_out) {
     const void *rows[ATT_CHUNK];
     prefetch_ahead(st->kv, st->cache, st->bt_row, st->h, c0, st->end);
     chunk_rows(st->kv, st->cache, st->bt_row, st->h, c0, st->end, rows);
-    if (st->kv->dtype == 1) {
+    if (st->kv->dtype == 2) {
+        const int64_t d = st->kv->d;
+        const int cn = st->end - c0 < ATT_CHUNK ? (int)(st->end - c0) : ATT_CHUNK;
+        float sc[ATT_CHUNK];
+        chunk_scales(st->kv, st->cache, st->bt_row, st->h, c0, st->end, sc);
+        for (int j = 0; j < ATT_CHUNK; j++) rows_out[j] = st->f32 + (j < cn ? j : 0) * d;
+        for (int j = 0; j < cn; j++)
+            (st->wide ? widen_i8_512 : widen_i8)(rows_out[j], rows[j], sc[j], d);
+    } else if (st->kv->dtype == 1) {
         /* widen once here, not once per query row that reads the chunk */
         const int64_t d = st->kv->d;
         const int cn = st->end - c0 < ATT_CHUNK ? (int)(st->end - c0) : ATT_CHUNK;
@@ -458,11 +539,13 @@ AVX2_FN static float softmax_row(float *s, int64_t len, int64_t npos) {
 #define ATT_PF_TASK_BYTES (256 * 1024)
 static void prefetch_task_kv(const shmk_kv_t *kv, const int32_t *bt_row, int64_t h, int64_t end) {
     const int64_t bs = kv->block_size, esz = (int64_t)kv_esize(kv);
-    const int64_t slab = bs * kv->d * esz, nblk = shmk_cdiv(end, bs);
+    const int64_t slab = slab_rows(kv) * kv->d * esz, nblk = shmk_cdiv(end, bs);
     if (2 * nblk * slab > ATT_PF_TASK_BYTES) return;
     for (int64_t b = 0; b < nblk; b++) {
         const size_t off = kv_offset(kv, bt_row[b], h, 0) * (size_t)esz;
-        const int64_t bytes = b == nblk - 1 ? (end - b * bs) * kv->d * esz : slab;
+        /* int8: the whole slab, its scale rows too */
+        const int64_t bytes =
+            b == nblk - 1 && kv->dtype != 2 ? (end - b * bs) * kv->d * esz : slab;
         for (int64_t x = 0; x < bytes; x += 64) {
             _mm_prefetch((const char *)kv->k + off + x, _MM_HINT_T1);
             _mm_prefetch((const char *)kv->v + off + x, _MM_HINT_T1);
@@ -477,14 +560,15 @@ AVX2_FN static void store_scaled(float *out, const float *o, float inv, int64_t 
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), v));
 }
 
-/* ------------------------------------------------------------------ decode, fp16 cache
- * One query token: the G query rows of a kv head against its context, the fp16 cache read in
- * place (head_dim a multiple of DEC_COLS).  Where att_task_avx2 widens each chunk into a scratch
- * tile and then loads every element again per query row, here a K or V element is widened once
- * in a register and feeds the FMAs of up to DEC_ROWS rows (scores: 8 positions x DEC_ROWS rows
- * of accumulators, one reduction tree per row; P.V: DEC_ROWS rows x DEC_COLS columns in
- * registers, one column block after another).  Same fp32 math and two-pass softmax, summed in
- * another order. */
+/* ------------------------------------------------------------------ decode, fp16 or int8 cache
+ * One query token: the G query rows of a kv head against its context, the fp16 or int8 cache
+ * read in place (head_dim a multiple of DEC_COLS); int8 row scales multiply the chunk's scores
+ * and, for values, the softmax weights (p_j s_j).  Where att_task_avx2 widens each chunk into a
+ * scratch tile and then loads every element again per query row, here a K or V element is
+ * widened once in a register and feeds the FMAs of up to DEC_ROWS rows (scores: 8 positions x
+ * DEC_ROWS rows of accumulators, one reduction tree per row; P.V: DEC_ROWS rows x DEC_COLS
+ * columns in registers, one column block after another).  Same fp32 math and two-pass
+ * softmax, summed in another order. */
 #define DEC_COLS 64
 #define DEC_ROWS 3 /* query rows a pass: 8 x 3 score accumulators + 3 q + 1 k = 28 zmm */
 
@@ -493,10 +577,18 @@ static inline int dec_rows(int64_t G, int64_t r0) {
     return G - r0 < DEC_ROWS ? (int)(G - r0) : DEC_ROWS;
 }
 
+/* 16 cache elements at element i of row p, widened to fp32 */
+#define LOAD16_F16(p, i) \
+    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(p) + (i))))
+#define LOAD16_I8(p, i)                                \
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(           \
+        _mm_loadu_si128((const __m128i *)((const int8_t *)(p) + (i)))))
+
 /* s[r * sstride + j] = scale * q_r . k_j, j < 8, for NR rows (q_r at q + r * d) */
-#define DEC_SCORES(NR)                                                                         \
-    AVX512_FN static void dec_scores8_##NR(const float *q, int64_t d, const void *const *kp,    \
-                                           float scale, float *s, int64_t sstride) {           \
+#define DEC_SCORES(NR, T)                                                                      \
+    AVX512_FN static void dec_scores8_##T##_##NR(const float *q, int64_t d,                     \
+                                                 const void *const *kp, float scale, float *s, \
+                                                 int64_t sstride) {                            \
         __m512 a[NR][8];                                                                       \
         for (int r = 0; r < NR; r++)                                                           \
             for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();                         \
@@ -504,8 +596,7 @@ static inline int dec_rows(int64_t G, int64_t r0) {
             __m512 qv[NR];                                                                     \
             for (int r = 0; r < NR; r++) qv[r] = _mm512_loadu_ps(q + r * d + i);               \
             for (int j = 0; j < 8; j++) {                                                      \
-                const __m512 k = _mm512_cvtph_ps(                                              \
-                    _mm256_loadu_si256((const __m256i *)((const uint16_t *)kp[j] + i)));       \
+                const __m512 k = LOAD16_##T(kp[j], i);                                         \
                 for (int r = 0; r < NR; r++) a[r][j] = _mm512_fmadd_ps(qv[r], k, a[r][j]);     \
             }                                                                                  \
         }                                                                                      \
@@ -518,23 +609,24 @@ static inline int dec_rows(int64_t G, int64_t r0) {
                                       fold512(a[r][6]), fold512(a[r][7])),                     \
                               vscale));                                                        \
     }
-DEC_SCORES(1)
-DEC_SCORES(2)
-DEC_SCORES(3)
+DEC_SCORES(1, F16)
+DEC_SCORES(2, F16)
+DEC_SCORES(3, F16)
+DEC_SCORES(1, I8)
+DEC_SCORES(2, I8)
+DEC_SCORES(3, I8)
 
 /* o_r[col0 .. col0 + 64) += sum_{j < n} p_r[j] v_j[col0 ..] for NR rows (o_r at o + r * d,
  * p_r at p + r * pstride) */
-#define DEC_PV(NR)                                                                             \
-    AVX512_FN static void dec_pv_##NR(float *o, int64_t d, int64_t col0, const float *p,        \
-                                      int64_t pstride, const void *const *vp, int n) {         \
+#define DEC_PV(NR, T)                                                                          \
+    AVX512_FN static void dec_pv_##T##_##NR(float *o, int64_t d, int64_t col0, const float *p,  \
+                                            int64_t pstride, const void *const *vp, int n) {   \
         __m512 acc[NR][4];                                                                     \
         for (int r = 0; r < NR; r++)                                                           \
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_loadu_ps(o + r * d + col0 + c * 16); \
         for (int j = 0; j < n; j++) {                                                          \
-            const uint16_t *v = (const uint16_t *)vp[j] + col0;                                \
             __m512 vv[4];                                                                      \
-            for (int c = 0; c < 4; c++)                                                        \
-                vv[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + c * 16)));    \
+            for (int c = 0; c < 4; c++) vv[c] = LOAD16_##T(vp[j], col0 + c * 16);              \
             for (int r = 0; r < NR; r++) {                                                     \
                 const __m512 pr = _mm512_set1_ps(p[r * pstride + j]);                          \
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]); \
@@ -543,24 +635,35 @@ DEC_SCORES(3)
         for (int r = 0; r < NR; r++)                                                           \
             for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * d + col0 + c * 16, acc[r][c]); \
     }
-DEC_PV(1)
-DEC_PV(2)
-DEC_PV(3)
+DEC_PV(1, F16)
+DEC_PV(2, F16)
+DEC_PV(3, F16)
+DEC_PV(1, I8)
+DEC_PV(2, I8)
+DEC_PV(3, I8)
 
-AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int prefetch) {
-    static void (*const scores[DEC_ROWS + 1])(const float *, int64_t, const void *const *, float,
-                                              float *, int64_t) = {NULL, dec_scores8_1,
-                                                                   dec_scores8_2, dec_scores8_3};
-    static void (*const pv[DEC_ROWS + 1])(float *, int64_t, int64_t, const float *, int64_t,
-                                          const void *const *, int) = {NULL, dec_pv_1, dec_pv_2,
-                                                                       dec_pv_3};
+typedef void (*dec_scores_fn)(const float *, int64_t, const void *const *, float, float *,
+                              int64_t);
+typedef void (*dec_pv_fn)(float *, int64_t, int64_t, const float *, int64_t, const void *const *,
+                          int);
+
+AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk, int prefetch) {
+    static const dec_scores_fn scores_by_type[2][DEC_ROWS + 1] = {
+        {NULL, dec_scores8_F16_1, dec_scores8_F16_2, dec_scores8_F16_3},
+        {NULL, dec_scores8_I8_1, dec_scores8_I8_2, dec_scores8_I8_3}};
+    static const dec_pv_fn pv_by_type[2][DEC_ROWS + 1] = {
+        {NULL, dec_pv_F16_1, dec_pv_F16_2, dec_pv_F16_3},
+        {NULL, dec_pv_I8_1, dec_pv_I8_2, dec_pv_I8_3}};
     const shmk_kv_t *kv = c->kv;
+    const int i8 = kv->dtype == 2;
+    const dec_scores_fn *scores = scores_by_type[i8];
+    const dec_pv_fn *pv = pv_by_type[i8];
     const int64_t G = c->hq / kv->hk, h = tk->hk, d = kv->d;
     const int64_t kv_end = ctx_len(c, tk->b) + tk->t1; /* the token sees every cached position */
     const int64_t npos = shmk_cdiv(kv_end, ATT_CHUNK) * ATT_CHUNK;
     const float *q = c->q + (c->qsl[tk->b] + tk->t0) * c->q_stride + h * G * d;
-    float *S = shmk_scratch(3, (size_t)(G * (npos + d + 1)) * sizeof(float));
-    float *O = S + G * npos, *inv_sum = O + G * d;
+    float *S = shmk_scratch(3, (size_t)(G * (npos + d + 1 + ATT_CHUNK)) * sizeof(float));
+    float *O = S + G * npos, *inv_sum = O + G * d, *Pv = inv_sum + G;
     const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
     const void *rows[ATT_CHUNK];
     if (prefetch) prefetch_task_kv(kv, bt_row, h, kv_end);
@@ -574,6 +677,16 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
             if (kv_end - c0 > 8)
                 scores[nr](q + r0 * d, d, rows + 8, c->scale, S + r0 * npos + c0 + 8, npos);
         }
+        if (i8) {
+            float ks[ATT_CHUNK];
+            chunk_scales(kv, kv->k, bt_row, h, c0, kv_end, ks);
+            const __m256 k0 = _mm256_loadu_ps(ks), k1 = _mm256_loadu_ps(ks + 8);
+            for (int64_t r = 0; r < G; r++) {
+                float *sr = S + r * npos + c0;
+                _mm256_storeu_ps(sr, _mm256_mul_ps(_mm256_loadu_ps(sr), k0));
+                _mm256_storeu_ps(sr + 8, _mm256_mul_ps(_mm256_loadu_ps(sr + 8), k1));
+            }
+        }
     }
     for (int64_t r = 0; r < G; r++) inv_sum[r] = 1.f / softmax_row(S + r * npos, kv_end, npos);
     memset(O, 0, (size_t)(G * d) * sizeof(float));
@@ -582,10 +695,24 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
         prefetch_ahead(kv, kv->v, bt_row, h, c0, kv_end);
         chunk_rows(kv, kv->v, bt_row, h, c0, kv_end, rows);
         const int n = kv_end - c0 < ATT_CHUNK ? (int)(kv_end - c0) : ATT_CHUNK;
+        const float *P = S + c0; /* row r's weights at P + r * pstride */
+        int64_t pstride = npos;
+        if (i8) { /* p_j s_j into Pv, the chunk's weights only */
+            float vs[ATT_CHUNK];
+            chunk_scales(kv, kv->v, bt_row, h, c0, kv_end, vs);
+            const __m256 v0 = _mm256_loadu_ps(vs), v1 = _mm256_loadu_ps(vs + 8);
+            for (int64_t r = 0; r < G; r++) {
+                const float *sr = S + r * npos + c0;
+                float *pr = Pv + r * ATT_CHUNK;
+                _mm256_storeu_ps(pr, _mm256_mul_ps(_mm256_loadu_ps(sr), v0));
+                _mm256_storeu_ps(pr + 8, _mm256_mul_ps(_mm256_loadu_ps(sr + 8), v1));
+            }
+            P = Pv, pstride = ATT_CHUNK;
+        }
         for (int64_t r0 = 0; r0 < G; r0 += DEC_ROWS) {
             const int nr = dec_rows(G, r0);
             for (int64_t col0 = 0; col0 < d; col0 += DEC_COLS)
-                pv[nr](O + r0 * d, d, col0, S + r0 * npos + c0, npos, rows, n);
+                pv[nr](O + r0 * d, d, col0, P + r0 * pstride, pstride, rows, n);
         }
     }
     float *out = c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + h * G) * d;
@@ -597,8 +724,8 @@ AVX2_FN static void att_decode_f16(const att_ctx *c, const att_task *tk, int pre
  * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling. */
 AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int prefetch) {
     const shmk_kv_t *kv = c->kv;
-    if (c->wide && kv->dtype == 1 && kv->d % DEC_COLS == 0 && tk->t1 - tk->t0 == 1) {
-        att_decode_f16(c, tk, prefetch);
+    if (c->wide && kv->dtype >= 1 && kv->d % DEC_COLS == 0 && tk->t1 - tk->t0 == 1) {
+        att_decode(c, tk, prefetch);
         return;
     }
     const int64_t d = kv->d, G = c->hq / kv->hk;
@@ -678,8 +805,12 @@ AVX512_FN static void widen_all(const shmk_kv_t *kv, const void *cache, const in
     for (int64_t c0 = 0; c0 < end; c0 += ATT_CHUNK) {
         chunk_rows(kv, cache, bt_row, h, c0, end, rows);
         const int cn = end - c0 < ATT_CHUNK ? (int)(end - c0) : ATT_CHUNK;
+        float sc[ATT_CHUNK];
+        if (kv->dtype == 2) chunk_scales(kv, cache, bt_row, h, c0, end, sc);
         for (int j = 0; j < cn; j++) {
-            if (kv->dtype == 1)
+            if (kv->dtype == 2)
+                widen_i8_512(dst + (c0 + j) * d, rows[j], sc[j], d);
+            else if (kv->dtype == 1)
                 widen_f16_512(dst + (c0 + j) * d, rows[j], d);
             else
                 memcpy(dst + (c0 + j) * d, rows[j], (size_t)d * sizeof(float));
@@ -816,11 +947,54 @@ static void att_task_fn(void *vctx, int64_t task, int tid) {
         att_task_portable(c, &c->tasks[task]);
 }
 
+typedef struct {
+    const float *q;
+    int64_t q_stride, hq, d, rows_per_task, end;
+    float *out;
+} rotate_ctx;
+
+/* queries rows [i0, i1): each head's d values copied to out [row][hq][d] and rotated */
+static void rotate_rows(const rotate_ctx *c, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t h = 0; h < c->hq; h++) {
+            float *dst = c->out + (i * c->hq + h) * c->d;
+            memcpy(dst, c->q + i * c->q_stride + h * c->d, (size_t)c->d * sizeof(float));
+            shmk_fwht(dst, c->d);
+        }
+}
+
+static void rotate_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const rotate_ctx *c = vctx;
+    const int64_t i0 = task * c->rows_per_task;
+    rotate_rows(c, i0, i0 + c->rows_per_task < c->end ? i0 + c->rows_per_task : c->end);
+}
+
+/* an int8 cache holds rotated keys: the queries, rotated the same way, into scratch slot 8 */
+static const float *rotate_queries(const float *q, int64_t q_stride, int64_t rows, int64_t hq,
+                                   int64_t d) {
+    rotate_ctx c = {q, q_stride, hq, d, 0, rows, shmk_scratch(8, (size_t)(rows * hq * d) * 4)};
+    if (rows < 64) { /* a decode step's few rows: cheaper than waking the pool */
+        rotate_rows(&c, 0, rows);
+        return c.out;
+    }
+    c.rows_per_task = shmk_cdiv(rows, 4 * shmk_threads());
+    shmk_parallel(rotate_task, &c, shmk_cdiv(rows, c.rows_per_task));
+    return c.out;
+}
+
 void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
                          const int32_t *block_table, int64_t max_blocks, const int32_t *seq_lens,
                          const int32_t *qsl, int64_t b, int64_t hq, float scale, float *out) {
     const int64_t total_q = qsl[b] - qsl[0];
     if (total_q <= 0) return;
+    if (kv->dtype == 2) {
+        if (kv->d > 1024 || (kv->d & (kv->d - 1))) return; /* the callers check this */
+        /* NOTE: (H q).(H k) = d (q.k) with the unnormalised transform */
+        q = rotate_queries(q, q_stride, qsl[b], hq, kv->d);
+        q_stride = hq * kv->d;
+        scale /= (float)kv->d;
+    }
     const int avx2 = shmk_path() >= SHMK_AVX2 && kv->d % 8 == 0;
     if (!avx2 && kv->d > 1024) return; /* the portable path keeps o[] on the stack */
     int64_t ntasks = 0;

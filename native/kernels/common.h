@@ -67,6 +67,11 @@ void shmk_linear_amx8(const shmk_linear_t *w, const float *x, int64_t m, float *
 /* one row of x -> per-row symmetric int16 (zero padded to kp) and its scale; see gemm16.c */
 void shmk_quant_row(const float *x, int64_t k, int64_t kp, int16_t *q, float *s);
 
+/* int8 KV rows (kv_quant.c): the unnormalised Walsh-Hadamard transform in place (d a power of
+ * two), and one row's symmetric int8 quantisation with its scale */
+void shmk_fwht(float *x, int64_t d);
+void shmk_quant_kv_row(const float *x, int64_t d, int8_t *q, float *scale);
+
 /* GEMM internal reused by the fused layer: y (+)= linear(x). */
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
 

@@ -207,7 +207,7 @@ void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t ntasks) {
 }
 
 /* ---- thread-local scratch ---- */
-#define NSLOTS 8
+#define NSLOTS 9
 static _Thread_local struct {
     void *p;
     size_t n;

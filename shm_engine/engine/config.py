@@ -25,6 +25,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     cpu_ids: list[int] | None = None  # pin the engine process (data-parallel replicas)
     batch_queue_size: int = 1  # 2: schedule step N+1 while step N runs in the model thread
     dtype: str = "int8"  # "int8" (VNNI kernels) or "float32" (torch reference path)
+    # "auto" (the model's: fp16 for int8, fp32 for float32), "fp16" or "int8" (int8 weights only)
+    kv_cache_dtype: str = "auto"
     log_stats: bool = True
 
     def __post_init__(self) -> None:
@@ -40,6 +42,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("batch_queue_size must be at least 1")
         if self.dtype not in ("int8", "float32"):
             raise ValueError(f"dtype must be 'int8' or 'float32', got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp16", "int8"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'fp16' or 'int8', got {self.kv_cache_dtype!r}"
+            )
+        if self.dtype == "float32" and self.kv_cache_dtype != "auto":
+            raise ValueError("the float32 reference path keeps an fp32 KV cache")
 
     def resolved_threads(self) -> int:
         if self.num_threads:

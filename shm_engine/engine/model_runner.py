@@ -28,7 +28,13 @@ def build_model(config: EngineConfig):
     if config.dtype == "int8":
         from shm_engine.model.int8_model import Int8Llama
 
-        model = Int8Llama(loaded.config, loaded.weights, num_threads=config.resolved_threads())
+        kv = "fp16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        model = Int8Llama(
+            loaded.config,
+            loaded.weights,
+            num_threads=config.resolved_threads(),
+            kv_cache_dtype=kv,
+        )
     else:
         from shm_engine.model.torch_model import TorchLlama
 

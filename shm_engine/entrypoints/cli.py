@@ -11,6 +11,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     p.add_argument("--dtype", default="int8", choices=["int8", "float32"])
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache budget in MiB")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp16", "int8"],
+        help="KV cache elements (auto: fp16 for int8 weights; int8 holds twice the tokens)",
+    )
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
 
 
@@ -29,6 +35,7 @@ def _build_llm(args):
         args.model,
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mib << 20,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads,
     )
 
@@ -99,6 +106,7 @@ def cmd_serve(args) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mib << 20,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

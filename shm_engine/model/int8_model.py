@@ -19,6 +19,7 @@ import torch
 from shm_engine.model import kernels
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
+from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype, kv_block_size
 
 
 def _trim_heap() -> None:
@@ -40,15 +41,23 @@ except (OSError, AttributeError):
 
 
 class Int8Llama:
-    # NOTE: fp16 K/V (fp32 math) halves the bytes batched decode reads from the cache; on SmolLM2
-    # the top-1 agreement with the fp32 model is unchanged against an fp32 cache (test_int8_model).
-    kv_dtype = torch.float16
-
     def __init__(
-        self, config: ModelConfig, weights: Mapping[str, torch.Tensor], num_threads: int = 0
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        num_threads: int = 0,
+        kv_cache_dtype: str = "fp16",
     ) -> None:
         if config.sliding_window is not None:
             raise NotImplementedError("sliding-window attention is not supported by the int8 path")
+        # NOTE: fp16 K/V (fp32 math) halves the bytes batched decode reads from the cache against
+        # fp32; on SmolLM2 the top-1 agreement with the fp32 model is unchanged against an fp32
+        # cache.  int8 rows halve them again and double the tokens a budget holds (test_int8_model
+        # bounds what they cost).
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}")
+        self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+        check_kv_dtype(self.kv_dtype, config.head_dim)
         if num_threads:
             kernels.set_num_threads(num_threads)
         self.config = config
@@ -159,7 +168,7 @@ class Int8Llama:
             query_start_loc=batch.query_start_loc,
             cos_sin=self.cos_sin,
             num_blocks=k0.shape[0],
-            block_size=k0.shape[2],
+            block_size=kv_block_size(k0.shape[2], k0.shape[3], k0.dtype),
             scale=self.scale,
             scratch=self._scratch_for(batch.num_tokens),
         )

@@ -27,9 +27,10 @@ scales applied in fp32 as above; their results differ from the other paths by th
 The rest run on int8 tiles (native/kernels/gemm_amx8.c) with exactly "vnni"'s results. Nothing
 depends on the thread count.
 
-KV cache layout (per layer): ``k_cache, v_cache: [num_blocks, Hkv, block_size, D]``, float32 or
-float16 (``KV_DTYPES``; fp16 is rounded to nearest even on write and widened exactly on read, the
-attention math is fp32); token slot ``s`` lives in block ``s // block_size`` at offset
+KV cache layout (per layer): ``k_cache, v_cache: [num_blocks, Hkv, slab_rows, D]``, float32,
+float16 or int8 (``KV_DTYPES``; fp16 is rounded to nearest even on write and widened exactly on
+read, the attention math is fp32; int8 rows carry a scale each and keys are Hadamard-rotated, see
+model/kv_cache.py); token slot ``s`` lives in block ``s // block_size`` at offset
 ``s % block_size`` of every head's slab.
 """
 
@@ -42,6 +43,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from shm_engine._kernels_cffi import ffi, lib
+from shm_engine.model.kv_cache import check_kv_dtype, kv_block_size
 
 __all__ = [
     "AMX_BF16_MIN_ROWS",
@@ -432,7 +434,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 
 
 # --------------------------------------------------------------------------- paged KV / attention
-KV_DTYPES = {torch.float32: 0, torch.float16: 1}
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -444,12 +446,15 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
             f"k_cache and v_cache differ: {tuple(k_cache.shape)} {k_cache.dtype} vs "
             f"{tuple(v_cache.shape)} {v_cache.dtype}"
         )
-    return tuple(k_cache.shape)
+    nb, hk, rows, d = k_cache.shape
+    check_kv_dtype(k_cache.dtype, d)
+    return nb, hk, kv_block_size(rows, d, k_cache.dtype), d
 
 
 def _kv_struct(k_cache: torch.Tensor, v_cache: torch.Tensor):
     """The C view (shmk_kv_t) of a checked cache pair; keep the tensors alive while it is used."""
-    nb, hk, bs, d = k_cache.shape
+    nb, hk, rows, d = k_cache.shape
+    bs = kv_block_size(rows, d, k_cache.dtype)
     kv = ffi.new("shmk_kv_t *")
     kv.k, kv.v = ffi.cast("void *", k_cache.data_ptr()), ffi.cast("void *", v_cache.data_ptr())
     kv.num_blocks, kv.block_size, kv.hk, kv.d = nb, bs, hk, d

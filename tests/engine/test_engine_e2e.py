@@ -294,6 +294,27 @@ def test_llm_generate_matches_in_process_engine():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.skipif(DTYPE != "int8", reason="the int8 cache is the int8 path's")
+def test_int8_kv_cache_holds_more_tokens_and_serves():
+    from shm_engine import LLM
+
+    budget = 16 << 20
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    blocks = {}
+    for kv in ("fp16", "int8"):
+        llm = LLM(dtype=DTYPE, kv_cache_bytes=budget, kv_cache_dtype=kv, in_process=True)
+        blocks[kv] = llm.client.ready.num_kv_blocks
+        out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+        llm.shutdown()
+        assert "Paris" in out.text, (kv, out.text)
+    # int8 rows (64 bytes) plus a scale row per 16 positions, against 128-byte fp16 rows
+    assert blocks["int8"] / blocks["fp16"] == pytest.approx(128 / 68, rel=0.02)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="fp32 KV cache"):
+        EngineConfig(dtype="float32", kv_cache_dtype="int8")
+
+
 def test_data_parallel_replicas_share_the_work():
     import psutil
 
