@@ -5,7 +5,7 @@
 - decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context;
 - peak RSS of a fresh process that loads the default int8 model (KV cache excluded).
 
-    python -m benchmarks.bench_model [--json PATH] [--quick]
+    python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ def main() -> int:
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and steps")
     ap.add_argument("--skip-fp32", action="store_true", help="only the int8 model")
+    ap.add_argument(
+        "--kv-cache-dtype", default="fp16", choices=["fp16", "int8"], help="the int8 model's cache"
+    )
     args = ap.parse_args()
     steps = 8 if args.quick else 32
     repeats = 2 if args.quick else 5
@@ -92,7 +95,7 @@ def main() -> int:
     from shm_engine.model.loader import load_model
     from shm_engine.model.torch_model import TorchLlama
 
-    results: dict = {"peak_rss_mb": peak_rss_mb()}
+    results: dict = {"peak_rss_mb": peak_rss_mb(), "kv_cache_dtype": args.kv_cache_dtype}
     print(f"peak RSS holding the int8 model: {results['peak_rss_mb']:.0f} MB")
 
     # NOTE: not shorter in --quick: with ~7 ms windows our kernel measured about half its
@@ -102,7 +105,7 @@ def main() -> int:
     results["gemm"] = [{k: r[k] for k in ("m", "n", "k", "name", "impl", "gops")} for r in rows]
 
     loaded = load_model(None)
-    models = {"int8": Int8Llama(loaded.config, loaded.weights)}
+    models = {"int8": Int8Llama(loaded.config, loaded.weights, kv_cache_dtype=args.kv_cache_dtype)}
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
     threads = torch.get_num_threads()
