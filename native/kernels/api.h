@@ -131,4 +131,35 @@ void shmk_llama_layer_forward(const shmk_layer_t *layer, const shmk_step_t *step
 void shmk_llama_forward(const shmk_layer_t *layers, const shmk_kv_t *kv, int64_t n,
                         const shmk_step_t *step, float *hidden);
 
+/* 0 if the step's metadata is safe to run on a cache of num_blocks x block_size slots, else
+ * the first problem found (SHMK_STEP_*): qsl runs 0 .. t, 0 <= q_len <= seq_len <= max_blocks x
+ * block_size, every block a sequence reaches is in [0, num_blocks), every slot < num_blocks x
+ * block_size (negative slots are skipped by the writers; slots may be NULL) */
+enum {
+    SHMK_STEP_OK = 0,
+    SHMK_STEP_QSL = 1,
+    SHMK_STEP_QLEN = 2,
+    SHMK_STEP_CAPACITY = 3,
+    SHMK_STEP_BLOCK = 4,
+    SHMK_STEP_SLOT = 5
+};
+int shmk_check_step(const shmk_step_t *step, int64_t num_blocks, int64_t block_size);
+
+/* The embedding, the layers, the final norm and the LM head of one step in one call:
+ *   hidden[i] = embed_q[ids[i]] * its group scales (embed_scale [vocab][cdiv(h, 32)]);
+ *   the layers on hidden; x[r] = rmsnorm(hidden[rows[r]]) with final_norm; logits = lm_head(x).
+ * Returns 0, or (nothing run) -1 if an id is outside [0, vocab), -2 if a row is outside [0, t). */
+typedef struct {
+    const int8_t *embed_q;        /* [vocab][hidden] */
+    const float *embed_scale;     /* [vocab][cdiv(hidden, 32)] */
+    int64_t vocab, hidden;
+    const float *final_norm;      /* [hidden] */
+    float eps;
+    const shmk_linear_t *lm_head; /* n = logits' columns, k = hidden */
+} shmk_model_t;
+int shmk_model_forward(const shmk_model_t *model, const shmk_layer_t *layers,
+                       const shmk_kv_t *kv, int64_t n, const shmk_step_t *step,
+                       const int64_t *ids, const int64_t *rows, int64_t nrows, float *hidden,
+                       float *x, float *logits);
+
 #endif

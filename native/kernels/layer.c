@@ -1,4 +1,6 @@
 /* One fused Llama decoder layer: ~10 kernels in a single native call (no Python in between). */
+#include <string.h>
+
 #include "common.h"
 
 static void lin(const shmk_linear_t *w, const float *x, int64_t t, float *y, int accumulate) {
@@ -27,4 +29,51 @@ void shmk_llama_layer_forward(const shmk_layer_t *L, const shmk_step_t *S, float
 void shmk_llama_forward(const shmk_layer_t *layers, const shmk_kv_t *kv, int64_t n,
                         const shmk_step_t *step, float *hidden) {
     for (int64_t i = 0; i < n; i++) shmk_llama_layer_forward(&layers[i], step, hidden, &kv[i]);
+}
+
+int shmk_check_step(const shmk_step_t *s, int64_t num_blocks, int64_t block_size) {
+    const int32_t *qsl = s->query_start_loc;
+    if (s->b > 0 && (qsl[0] != 0 || qsl[s->b] != s->t)) return SHMK_STEP_QSL;
+    for (int64_t i = 0; i < s->b; i++) {
+        const int64_t q_len = (int64_t)qsl[i + 1] - qsl[i], len = s->seq_lens[i];
+        if (q_len < 0 || q_len > len) return SHMK_STEP_QLEN;
+        if (len > s->max_blocks * block_size) return SHMK_STEP_CAPACITY;
+        const int32_t *row = s->block_table + i * s->max_blocks;
+        for (int64_t j = 0; j < shmk_cdiv(len, block_size); j++)
+            if (row[j] < 0 || row[j] >= num_blocks) return SHMK_STEP_BLOCK;
+    }
+    for (int64_t i = 0; s->slots && i < s->t; i++)
+        if (s->slots[i] >= num_blocks * block_size) return SHMK_STEP_SLOT;
+    return SHMK_STEP_OK;
+}
+
+/* hidden[i] = the dequantised embedding row of ids[i] */
+static void embed_rows(const shmk_model_t *m, const int64_t *ids, int64_t t, float *hidden) {
+    const int64_t h = m->hidden, groups = shmk_cdiv(h, GK);
+    for (int64_t i = 0; i < t; i++) {
+        const int8_t *q = m->embed_q + ids[i] * h;
+        const float *sc = m->embed_scale + ids[i] * groups;
+        float *out = hidden + i * h;
+        for (int64_t j = 0; j < h; j++) out[j] = (float)q[j] * sc[j / GK];
+    }
+}
+
+int shmk_model_forward(const shmk_model_t *m, const shmk_layer_t *layers, const shmk_kv_t *kv,
+                       int64_t n, const shmk_step_t *step, const int64_t *ids,
+                       const int64_t *rows, int64_t nrows, float *hidden, float *x,
+                       float *logits) {
+    const int64_t t = step->t, h = m->hidden;
+    for (int64_t i = 0; i < t; i++)
+        if (ids[i] < 0 || ids[i] >= m->vocab) return -1;
+    for (int64_t r = 0; r < nrows; r++)
+        if (rows[r] < 0 || rows[r] >= t) return -2;
+    /* NOTE: the pool's workers spin between the step's ~300 jobs instead of parking */
+    shmk_pool_hold(1);
+    embed_rows(m, ids, t, hidden);
+    shmk_llama_forward(layers, kv, n, step, hidden);
+    for (int64_t r = 0; r < nrows; r++) memcpy(x + r * h, hidden + rows[r] * h, (size_t)h * 4);
+    shmk_rmsnorm(x, NULL, m->final_norm, nrows, h, m->eps, x);
+    shmk_linear_impl(m->lm_head, x, nrows, logits, 0);
+    shmk_pool_hold(0);
+    return 0;
 }

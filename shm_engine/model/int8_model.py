@@ -79,6 +79,9 @@ class Int8Llama:
         del embed
         _trim_heap()
         self.final_norm = weights["model.norm.weight"].float().contiguous()
+        self._ends = kernels.ModelEnds(
+            self.embed_q, self.embed_scale, self.final_norm, c.rms_norm_eps, self.lm_head
+        )
         self.layers = []
         for i in range(c.num_layers):
             self.layers.append(self._pack_layer(weights, i))
@@ -155,10 +158,6 @@ class Int8Llama:
         self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """fp32 logits [len(logits_indices), vocab]."""
-        ids = batch.input_ids
-        hidden = self.embed_q[ids].to(torch.float32)
-        scale = self.embed_scale[ids].repeat_interleave(32, dim=1)[:, : hidden.shape[1]]
-        hidden.mul_(scale)
         k0 = kv_caches[0][0]
         step = kernels.LayerStep(
             positions=batch.positions,
@@ -172,8 +171,6 @@ class Int8Llama:
             scale=self.scale,
             scratch=self._scratch_for(batch.num_tokens),
         )
-        with kernels.pool_held():  # the layers, final norm and LM head run back to back
-            kernels.llama_forward(self._stack_for(kv_caches), step, hidden)
-            x = hidden[batch.logits_indices].contiguous()
-            x = kernels.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
-            return kernels.linear(x, self.lm_head)
+        return kernels.model_forward(
+            self._ends, self._stack_for(kv_caches), step, batch.input_ids, batch.logits_indices
+        )

@@ -417,6 +417,69 @@ def test_llama_forward_is_the_layers_in_order():
         K.llama_forward(K.LlamaStack(layers, caches), step, got[:-1].contiguous())
 
 
+def test_model_forward_is_embedding_layers_norm_and_head():
+    """The one-call step == the embedding looked up in torch, llama_forward, then rmsnorm and
+    the LM head on the sampled rows, bit for bit; bad ids and rows are refused."""
+    layers = [make_layer(s) for s in (5, 6)]
+    hq, hk, d, bs, h, vocab = 4, 2, 16, 8, 64, 50
+    seqs = [(21, 1), (30, 9)]
+    caches, meta = [], None
+    for i in range(len(layers)):
+        _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=30 + i)
+        caches.append((kc, vc))
+    t = sum(ql for _, ql in seqs)
+    pos, slots = new_positions_and_slots(seqs, meta["block_table"], bs)
+    step = K.LayerStep(
+        positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64),
+        num_blocks=caches[0][0].shape[0], block_size=bs, scale=d**-0.5,
+        scratch=K.LayerScratch(layers[0], max_tokens=16), **meta,
+    )  # fmt: skip
+    g = gen(4)
+    head = K.PackedLinear.from_float(torch.randn(vocab, h, generator=g))
+    embed_q, embed_scale = head.unpack()
+    norm = 1 + 0.1 * torch.randn(h, generator=g)
+    ends = K.ModelEnds(embed_q, embed_scale, norm, 1e-5, head)
+    ids = torch.randint(0, vocab, (t,), generator=g)
+    rows = torch.tensor([0, t - 1])
+    copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    hidden = embed_q[ids].float() * embed_scale[ids].repeat_interleave(32, dim=1)[:, :h]
+    K.llama_forward(K.LlamaStack(layers, copies), step, hidden)
+    want = K.linear(K.rmsnorm(hidden[rows].contiguous(), norm, 1e-5), head)
+    stack = K.LlamaStack(layers, caches)
+    assert torch.equal(K.model_forward(ends, stack, step, ids, rows), want)
+    with pytest.raises(ValueError, match="input_ids"):
+        K.model_forward(ends, stack, step, torch.full((t,), vocab), rows)
+    with pytest.raises(ValueError, match="logits_rows"):
+        K.model_forward(ends, stack, step, ids, torch.tensor([t]))
+
+
+def test_layer_step_validates_the_batch_in_c():
+    layer = make_layer(5)
+    seqs = [(21, 1), (30, 9)]
+    _, kc, _, meta, _, _ = make_batch(seqs, 4, 2, 16, 8, seed=40)
+    pos, slots = new_positions_and_slots(seqs, meta["block_table"], 8)
+    args = dict(
+        positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(16, 1e4), 64),
+        num_blocks=kc.shape[0], block_size=8, scale=0.25,
+        scratch=K.LayerScratch(layer, max_tokens=16), **meta,
+    )  # fmt: skip
+    K.LayerStep(**args)
+    bad_slots = slots.clone()
+    bad_slots[0] = kc.shape[0] * 8
+    bad_table = meta["block_table"].clone()
+    bad_table[1, 0] = -1
+    cases = {
+        "slot": dict(slot_mapping=bad_slots),
+        "block": dict(block_table=bad_table),
+        "query_start_loc": dict(query_start_loc=torch.tensor([0, 1, 9], dtype=torch.int32)),
+        "q_len": dict(seq_lens=torch.tensor([21, 8], dtype=torch.int32)),
+        "capacity": dict(seq_lens=torch.tensor([21, 1000], dtype=torch.int32)),
+    }
+    for match, change in cases.items():
+        with pytest.raises(ValueError, match=match):
+            K.LayerStep(**(args | change))
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 17), (16, 49152), (2, 100003)])
 def test_argmax_rows(path, m, n):
