@@ -38,36 +38,44 @@ class BatchInputs:
         block_size: int,
         sample_mask: list[bool],
     ) -> BatchInputs:
-        """Flatten sequences given as (all token ids, start, num new tokens, block ids)."""
-        num_tokens = sum(n for _, _, n, _ in seqs)
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
-        max_blocks = max(len(b) for _, _, _, b in seqs)
-        block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        seq_lens = np.empty(len(seqs), dtype=np.int32)
-        qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
+        """Flatten sequences given as (all token ids, start, num new tokens, block ids).
+
+        NOTE: plain Python lists, one numpy array each at the end: between model steps the
+        interpreter runs on cold caches, where numpy's per-sequence calls cost ~0.3 ms a batch-16
+        decode step (~0.05 ms this way)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
         logits_indices = []
-        t = 0
-        for b, (tokens, start, n, blocks) in enumerate(seqs):
+        max_blocks = max(len(b) for _, _, _, b in seqs)
+        table: list[int] = []
+        for (tokens, start, n, blocks), sample in zip(seqs, sample_mask, strict=True):
             end = start + n
-            input_ids[t : t + n] = tokens[start:end]
-            pos = np.arange(start, end, dtype=np.int64)
-            positions[t : t + n] = pos
-            blk = np.asarray(blocks, dtype=np.int64)
-            slots[t : t + n] = blk[pos // block_size] * block_size + pos % block_size
-            block_table[b, : len(blocks)] = blocks
-            seq_lens[b] = end
-            t += n
-            qsl[b + 1] = t
-            if sample_mask[b]:
-                logits_indices.append(t - 1)
+            if n == 1:  # decode
+                ids.append(tokens[start])
+                positions.append(start)
+                slots.append(blocks[start // block_size] * block_size + start % block_size)
+            else:
+                ids.extend(tokens[start:end])
+                positions.extend(range(start, end))
+                slots.extend(blocks[p // block_size] * block_size + p % block_size
+                             for p in range(start, end))  # fmt: skip
+            table.extend(blocks)
+            table.extend([0] * (max_blocks - len(blocks)))
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            if sample:
+                logits_indices.append(qsl[-1] - 1)
         return BatchInputs(
-            input_ids=torch.from_numpy(input_ids),
-            positions=torch.from_numpy(positions),
-            slot_mapping=torch.from_numpy(slots),
-            block_table=torch.from_numpy(block_table),
-            seq_lens=torch.from_numpy(seq_lens),
-            query_start_loc=torch.from_numpy(qsl),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),
+            positions=torch.from_numpy(np.array(positions, dtype=np.int64)),
+            slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)),
+            block_table=torch.from_numpy(
+                np.array(table, dtype=np.int32).reshape(len(seqs), max_blocks)
+            ),
+            seq_lens=torch.from_numpy(np.array(seq_lens, dtype=np.int32)),
+            query_start_loc=torch.from_numpy(np.array(qsl, dtype=np.int32)),
+            logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),
         )
