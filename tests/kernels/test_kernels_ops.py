@@ -385,22 +385,28 @@ def test_fused_layer_int8_tiles_match_vnni():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_llama_forward_is_the_layers_in_order():
-    """One native call for a stack of layers == llama_layer_forward layer by layer."""
-    layers = [make_layer(s) for s in (5, 6, 7)]
+def make_stack(layer_seeds, cache_seed):
+    """Layers of make_layer's shape, a KV cache pair each for a decode and a prefill-with-prefix
+    sequence, and the step over them: (layers, caches, step, token count)."""
+    layers = [make_layer(s) for s in layer_seeds]
     hq, hk, d, bs = 4, 2, 16, 8
     seqs = [(21, 1), (30, 9)]
     caches, meta = [], None
     for i in range(len(layers)):
-        _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=20 + i)
+        _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=cache_seed + i)
         caches.append((kc, vc))
-    t = sum(ql for _, ql in seqs)
     pos, slots = new_positions_and_slots(seqs, meta["block_table"], bs)
     step = K.LayerStep(
         positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64),
         num_blocks=caches[0][0].shape[0], block_size=bs, scale=d**-0.5,
         scratch=K.LayerScratch(layers[0], max_tokens=16), **meta,
     )  # fmt: skip
+    return layers, caches, step, len(pos)
+
+
+def test_llama_forward_is_the_layers_in_order():
+    """One native call for a stack of layers == llama_layer_forward layer by layer."""
+    layers, caches, step, t = make_stack((5, 6, 7), 20)
     hidden = torch.randn(t, 64, generator=gen(3))
     copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
     want = hidden.clone()
@@ -420,20 +426,8 @@ def test_llama_forward_is_the_layers_in_order():
 def test_model_forward_is_embedding_layers_norm_and_head():
     """The one-call step == the embedding looked up in torch, llama_forward, then rmsnorm and
     the LM head on the sampled rows, bit for bit; bad ids and rows are refused."""
-    layers = [make_layer(s) for s in (5, 6)]
-    hq, hk, d, bs, h, vocab = 4, 2, 16, 8, 64, 50
-    seqs = [(21, 1), (30, 9)]
-    caches, meta = [], None
-    for i in range(len(layers)):
-        _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=30 + i)
-        caches.append((kc, vc))
-    t = sum(ql for _, ql in seqs)
-    pos, slots = new_positions_and_slots(seqs, meta["block_table"], bs)
-    step = K.LayerStep(
-        positions=pos, slot_mapping=slots, cos_sin=K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 64),
-        num_blocks=caches[0][0].shape[0], block_size=bs, scale=d**-0.5,
-        scratch=K.LayerScratch(layers[0], max_tokens=16), **meta,
-    )  # fmt: skip
+    layers, caches, step, t = make_stack((5, 6), 30)
+    h, vocab = 64, 50
     g = gen(4)
     head = K.PackedLinear.from_float(torch.randn(vocab, h, generator=g))
     embed_q, embed_scale = head.unpack()

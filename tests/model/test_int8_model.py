@@ -141,6 +141,11 @@ TEXT = (
 )
 
 
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp of the mean cross-entropy of each next token under the logits before it."""
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+
+
 @pytest.fixture(scope="module")
 def smollm_int8(smollm):
     return Int8Llama(smollm.config, smollm.weights)
@@ -160,14 +165,10 @@ def test_smollm2_teacher_forced_agreement_and_perplexity(smollm, smollm_ref, smo
         smollm_int8, smollm.config, [ids], [[64] * (len(ids) // 64) + [len(ids) % 64]]
     )[0]
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    target = torch.tensor(ids[1:])
-
-    def ppl(logits):
-        return math.exp(torch.nn.functional.cross_entropy(logits[:-1], target).item())
-
-    print(f"\ntop-1 agreement {agree:.4f}; ppl fp32 {ppl(expected):.3f} int8 {ppl(got):.3f}")
+    ppl_ref, ppl_got = perplexity(expected, ids), perplexity(got, ids)
+    print(f"\ntop-1 agreement {agree:.4f}; ppl fp32 {ppl_ref:.3f} int8 {ppl_got:.3f}")
     assert agree >= 0.98
-    assert abs(ppl(got) / ppl(expected) - 1) < 0.02
+    assert abs(ppl_got / ppl_ref - 1) < 0.02
 
 
 @pytest.mark.slow
@@ -207,11 +208,7 @@ def test_smollm2_int8_kv_cache_agrees_with_fp16_cache(
     fp16 = paged_logits(smollm_int8, smollm.config, [ids], chunks)[0]
     got = paged_logits(smollm_int8_kv, smollm.config, [ids], chunks)[0]
     agree = (got.argmax(-1) == fp16.argmax(-1)).float().mean().item()
-    target = torch.tensor(ids[1:])
-
-    def ppl(logits):
-        return math.exp(torch.nn.functional.cross_entropy(logits[:-1], target).item())
-
-    print(f"\nint8 cache: top-1 agreement with fp16 cache {agree:.4f}; ppl {ppl(got):.3f}")
+    ppl_got = perplexity(got, ids)
+    print(f"\nint8 cache: top-1 agreement with fp16 cache {agree:.4f}; ppl {ppl_got:.3f}")
     assert agree >= 0.98
-    assert abs(ppl(got) / ppl(expected) - 1) < 0.02
+    assert abs(ppl_got / perplexity(expected, ids) - 1) < 0.02
