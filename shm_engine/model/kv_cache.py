@@ -10,7 +10,8 @@ fp32 scales in ``ceil(4 * block_size / head_dim)`` more rows.
 
 NOTE: one allocation, not 2 x num_layers small ones: glibc serves a single large request with its
 own mmap and unmaps it on free, so releasing the cache (engine sleep) really returns the memory to
-the OS; many mid-size frees would stay in the malloc heap.
+the OS; many mid-size frees would stay in the malloc heap. It asks for transparent huge pages
+(model/hugepages.py): attention reads blocks scattered over the whole allocation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from shm_engine.model.config import ModelConfig
+from shm_engine.model.hugepages import empty_huge
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -64,5 +66,5 @@ def allocate_kv(
     c = config
     check_kv_dtype(dtype, c.head_dim)
     rows = kv_slab_rows(block_size, c.head_dim, dtype)
-    whole = torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, rows, c.head_dim, dtype=dtype)
+    whole = empty_huge(c.num_layers, 2, num_blocks, c.num_kv_heads, rows, c.head_dim, dtype=dtype)
     return [(whole[i, 0], whole[i, 1]) for i in range(c.num_layers)]
