@@ -15,7 +15,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "fp16", "int8"],
-        help="KV cache elements (auto: fp16 for int8 weights; int8 holds twice the tokens)",
+        help="KV cache elements (auto: fp16 for int8 weights; int8 holds 1.88x the tokens)",
     )
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
 

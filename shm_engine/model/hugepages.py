@@ -1,10 +1,10 @@
-"""Transparent huge pages for the large, long-lived buffers (KV cache, packed weights).
+"""Transparent huge pages for large, long-lived buffers (the KV cache).
 
 Why: decode attention reads each sequence's cache blocks from wherever they lie in a cache of
-hundreds of MB, a TLB miss per 2 KB slab with 4 KB pages; with 2 MB pages, batch-16 decode
-attention took 11-13 % less time and the step 7-10 % (benchmarks/RESULTS.md). The machine's
-THP mode is usually ``madvise``, so the buffers must ask: ``madvise(MADV_HUGEPAGE)`` before
-their pages are first touched. Best effort: anything that fails leaves 4 KB pages.
+hundreds of MB, a TLB miss per 2 KB slab with 4 KB pages; with 2 MB pages batch-16 decode
+attention took 1-13 % less time in two runs of three alternated pairs (benchmarks/RESULTS.md).
+The machine's THP mode is usually ``madvise``, so a buffer must ask, ``madvise(MADV_HUGEPAGE)``,
+before its pages are first touched. Best effort: anything that fails leaves 4 KB pages.
 """
 
 from __future__ import annotations

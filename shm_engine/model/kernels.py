@@ -796,8 +796,10 @@ def model_forward(
         raise ValueError("the step was built for another cache geometry")
     if step.scratch.dims != stack.dims or stack.hidden != ends.hidden:
         raise ValueError("step scratch was sized for a different layer shape")
-    logits = torch.empty(rows.shape[0], ends.lm_head.n)
     s = step.scratch
+    if rows.shape[0] > s.max_tokens:  # the normed rows go to a scratch of max_tokens rows
+        raise ValueError(f"{rows.shape[0]} logits rows exceed the scratch capacity {s.max_tokens}")
+    logits = torch.empty(rows.shape[0], ends.lm_head.n)
     err = lib.shmk_model_forward(
         ends._c, stack._layers, stack._kv, len(stack.layers), step._c, _i64(ids), _i64(rows),
         rows.shape[0], _f32(s.hidden), _f32(s.final), _f32(logits),

@@ -3,9 +3,9 @@
 Layout per layer: k and v each [num_blocks, num_kv_heads, slab_rows, head_dim], head-major inside
 a block so that one (block, head) is a contiguous slab for the attention kernel to stream. The
 element type is the model's ``kv_dtype``: float16 for the int8 model by default (half the bytes
-that batched decode reads; fp32 math), int8 on request (a quarter: rows quantised with a scale
-each, keys Hadamard-rotated first; see native/kernels/kv_quant.c), float32 for the fp32 torch
-path. A slab has one row per position (``block_size``); an int8 slab then holds the positions'
+that batched decode reads; fp32 math), int8 on request (53 % of fp16's bytes: rows quantised
+with a scale each, keys Hadamard-rotated first; see native/kernels/kv_quant.c), float32 for the
+fp32 torch path. A slab has one row per position (``block_size``); an int8 slab then holds the positions'
 fp32 scales in ``ceil(4 * block_size / head_dim)`` more rows.
 
 NOTE: one allocation, not 2 x num_layers small ones: glibc serves a single large request with its

@@ -445,6 +445,8 @@ def test_model_forward_is_embedding_layers_norm_and_head():
         K.model_forward(ends, stack, step, torch.full((t,), vocab), rows)
     with pytest.raises(ValueError, match="logits_rows"):
         K.model_forward(ends, stack, step, ids, torch.tensor([t]))
+    with pytest.raises(ValueError, match="capacity"):
+        K.model_forward(ends, stack, step, ids, torch.zeros(17, dtype=torch.int64))
 
 
 def test_layer_step_validates_the_batch_in_c():
