@@ -147,7 +147,8 @@ int shmk_check_step(const shmk_step_t *step, int64_t num_blocks, int64_t block_s
 
 /* The embedding, the layers, the final norm and the LM head of one step in one call:
  *   hidden[i] = embed_q[ids[i]] * its group scales (embed_scale [vocab][cdiv(h, 32)]);
- *   the layers on hidden; x[r] = rmsnorm(hidden[rows[r]]) with final_norm; logits = lm_head(x).
+ *   the layers on hidden; x[r] = rmsnorm(hidden[rows[r]]) with final_norm; logits = lm_head(x);
+ *   argmax[r] = shmk_argmax_rows of logits row r, unless argmax is NULL.
  * Returns 0, or (nothing run) -1 if an id is outside [0, vocab), -2 if a row is outside [0, t). */
 typedef struct {
     const int8_t *embed_q;        /* [vocab][hidden] */
@@ -160,6 +161,6 @@ typedef struct {
 int shmk_model_forward(const shmk_model_t *model, const shmk_layer_t *layers,
                        const shmk_kv_t *kv, int64_t n, const shmk_step_t *step,
                        const int64_t *ids, const int64_t *rows, int64_t nrows, float *hidden,
-                       float *x, float *logits);
+                       float *x, float *logits, int64_t *argmax);
 
 #endif

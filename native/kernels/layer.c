@@ -61,7 +61,7 @@ static void embed_rows(const shmk_model_t *m, const int64_t *ids, int64_t t, flo
 int shmk_model_forward(const shmk_model_t *m, const shmk_layer_t *layers, const shmk_kv_t *kv,
                        int64_t n, const shmk_step_t *step, const int64_t *ids,
                        const int64_t *rows, int64_t nrows, float *hidden, float *x,
-                       float *logits) {
+                       float *logits, int64_t *argmax) {
     const int64_t t = step->t, h = m->hidden;
     for (int64_t i = 0; i < t; i++)
         if (ids[i] < 0 || ids[i] >= m->vocab) return -1;
@@ -74,6 +74,7 @@ int shmk_model_forward(const shmk_model_t *m, const shmk_layer_t *layers, const 
     for (int64_t r = 0; r < nrows; r++) memcpy(x + r * h, hidden + rows[r] * h, (size_t)h * 4);
     shmk_rmsnorm(x, NULL, m->final_norm, nrows, h, m->eps, x);
     shmk_linear_impl(m->lm_head, x, nrows, logits, 0);
+    if (argmax) shmk_argmax_rows(logits, nrows, m->lm_head->n, argmax);
     shmk_pool_hold(0);
     return 0;
 }

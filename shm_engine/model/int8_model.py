@@ -155,9 +155,13 @@ class Int8Llama:
 
     @torch.inference_mode()
     def forward(
-        self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        batch: BatchInputs,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        argmax_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp32 logits [len(logits_indices), vocab]."""
+        """fp32 logits [len(logits_indices), vocab]; each row's argmax (first index of the
+        largest, NaN as -inf) into ``argmax_out`` (int64) if given."""
         k0 = kv_caches[0][0]
         step = kernels.LayerStep(
             positions=batch.positions,
@@ -172,5 +176,10 @@ class Int8Llama:
             scratch=self._scratch_for(batch.num_tokens),
         )
         return kernels.model_forward(
-            self._ends, self._stack_for(kv_caches), step, batch.input_ids, batch.logits_indices
+            self._ends,
+            self._stack_for(kv_caches),
+            step,
+            batch.input_ids,
+            batch.logits_indices,
+            argmax_out,
         )

@@ -783,9 +783,11 @@ def model_forward(
     step: LayerStep,
     input_ids: torch.Tensor,
     logits_rows: torch.Tensor,
+    argmax_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 logits [len(logits_rows), lm_head.n] of one step, in one native call: the embedding
-    of ``input_ids`` [t], every layer, the final norm of the rows ``logits_rows`` and the LM head.
+    of ``input_ids`` [t], every layer, the final norm of the rows ``logits_rows`` and the LM head;
+    with ``argmax_out`` (int64 [len(logits_rows)]) also each row's ``argmax_rows``.
 
     NOTE: one call, not a torch op per piece: between steps the interpreter runs on cold caches
     and the ~15 small ops around the layers cost ~0.6 ms a step at batch 16 (~0.1 ms warm)."""
@@ -800,9 +802,14 @@ def model_forward(
     if rows.shape[0] > s.max_tokens:  # the normed rows go to a scratch of max_tokens rows
         raise ValueError(f"{rows.shape[0]} logits rows exceed the scratch capacity {s.max_tokens}")
     logits = torch.empty(rows.shape[0], ends.lm_head.n)
+    argmax = ffi.NULL
+    if argmax_out is not None:
+        _check(argmax_out, "argmax_out", torch.int64, 1)
+        _shape(argmax_out, "argmax_out", (rows.shape[0],))
+        argmax = _i64(argmax_out)
     err = lib.shmk_model_forward(
         ends._c, stack._layers, stack._kv, len(stack.layers), step._c, _i64(ids), _i64(rows),
-        rows.shape[0], _f32(s.hidden), _f32(s.final), _f32(logits),
+        rows.shape[0], _f32(s.hidden), _f32(s.final), _f32(logits), argmax,
     )  # fmt: skip
     if err == -1:
         raise ValueError(f"input_ids must lie in [0, {ends.vocab})")

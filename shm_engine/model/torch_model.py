@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from shm_engine.model import kernels
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
 
@@ -42,9 +43,13 @@ class TorchLlama:
 
     @torch.inference_mode()
     def forward(
-        self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        batch: BatchInputs,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        argmax_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Returns fp32 logits [len(logits_indices), vocab]."""
+        """Returns fp32 logits [len(logits_indices), vocab]; each row's argmax (first index of
+        the largest) into ``argmax_out`` (int64) if given."""
         c = self.config
         x = self.embed[batch.input_ids]
         freqs = (batch.positions.float()[:, None] * self.inv_freq[None, :]).double()
@@ -64,7 +69,10 @@ class TorchLlama:
             up = self._linear(h, p + "mlp.up_proj")
             x = x + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
         x = rms_norm(x[batch.logits_indices], self.w["model.norm.weight"], c.rms_norm_eps)
-        return x @ self.lm_head.T
+        logits = x @ self.lm_head.T
+        if argmax_out is not None:  # the int8 model's argmax, for the same ties and NaN
+            argmax_out.copy_(kernels.argmax_rows(logits.contiguous()))
+        return logits
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))

@@ -441,6 +441,9 @@ def test_model_forward_is_embedding_layers_norm_and_head():
     want = K.linear(K.rmsnorm(hidden[rows].contiguous(), norm, 1e-5), head)
     stack = K.LlamaStack(layers, caches)
     assert torch.equal(K.model_forward(ends, stack, step, ids, rows), want)
+    top = torch.empty(2, dtype=torch.int64)
+    K.model_forward(ends, K.LlamaStack(layers, copies), step, ids, rows, top)
+    assert torch.equal(top, K.argmax_rows(want))
     with pytest.raises(ValueError, match="input_ids"):
         K.model_forward(ends, stack, step, torch.full((t,), vocab), rows)
     with pytest.raises(ValueError, match="logits_rows"):

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from shm_engine.model import kernels
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
 from shm_engine.model.int8_model import Int8Llama
@@ -103,6 +104,21 @@ def test_int8_kv_cache_matches_reference_and_fp16_cache():
     for s, b, o in zip(seqs, base, got, strict=True):
         assert rel_err(o, ref.forward(torch.tensor(s))) < 0.06
         assert rel_err(o, b) < 0.02
+
+
+def test_forward_argmax_out_is_the_logits_argmax():
+    """Both models fill argmax_out with each logits row's first largest index (the engine's
+    greedy path takes the tokens from it and skips the sampler)."""
+    config, weights = random_model()
+    seqs = [list(range(3, 3 + n)) for n in (9, 20)]
+    for model in (Int8Llama(config, weights), TorchLlama(config, weights)):
+        kv = allocate_kv(config, 4, BLOCK, model.kv_dtype)
+        batch = BatchInputs.build([(s, 0, len(s), [2 * i, 2 * i + 1]) for i, s in enumerate(seqs)],
+                                  BLOCK, [True, True])  # fmt: skip
+        ids = torch.empty(2, dtype=torch.int64)
+        logits = model.forward(batch, kv, ids)
+        assert torch.equal(ids, kernels.argmax_rows(logits.contiguous()))
+        assert torch.equal(ids, logits.argmax(-1))
 
 
 def test_int8_kv_cache_dtype_is_validated():
