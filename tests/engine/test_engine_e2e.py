@@ -217,15 +217,16 @@ def test_sleep_releases_and_wake_up_restores_the_cache(client, tokenizer):
     assert rss_awake - rss_asleep > 40 * 2**20
 
 
-def test_preemption_keeps_greedy_output(tokenizer):
+@pytest.mark.parametrize("kv", ["auto", "int8"] if DTYPE == "int8" else ["auto"])
+def test_preemption_keeps_greedy_output(kv, tokenizer):
     prompts = [tokenizer.encode(f"List the numbers from {i} to {i + 40}:") for i in range(4)]
     outs = {}
     for blocks in (512, 8):  # 8 blocks of 16 tokens cannot hold 4 sequences of ~52 tokens
-        with SyncMPClient(config(num_kv_blocks=blocks)) as c:
+        with SyncMPClient(config(num_kv_blocks=blocks, kv_cache_dtype=kv)) as c:
             for i, p in enumerate(prompts):
                 c.add_request(request(f"r{i}", p, max_tokens=40, ignore_eos=True))
             outs[blocks] = collect(c, [f"r{i}" for i in range(4)], timeout=300)
-            if blocks == 12:
+            if blocks == 8:
                 assert c.call_utility("get_stats").num_preemptions > 0
     for i in range(4):
         assert outs[8][f"r{i}"][0] == outs[512][f"r{i}"][0]
