@@ -95,6 +95,12 @@ static inline float *kv_scale(const shmk_kv_t *kv, const void *cache, int64_t bl
     return (float *)((char *)cache + kv_offset(kv, blk, h, kv->block_size)) + off;
 }
 
+/* an int8 cache's rows can be rotated (power-of-two d) and copied to the stack (d <= 1024); the
+ * Python callers refuse other shapes, this keeps a direct C caller from overrunning */
+static inline int int8_rows_unsupported(const shmk_kv_t *kv) {
+    return kv->dtype == 2 && (kv->d > 1024 || (kv->d & (kv->d - 1)));
+}
+
 /* the scale a row's values are multiplied by (1 unless int8) */
 static inline float row_scale(const shmk_kv_t *kv, const void *cache, int64_t blk, int64_t h,
                               int64_t off) {
@@ -139,7 +145,7 @@ static void put_row(const shmk_kv_t *kv, void *cache, int64_t blk, int64_t h, in
  * skipped (the callers validate them; this keeps a bad slot from writing out of bounds). */
 static void write_rows(const float *k, const float *v, int64_t stride, const int64_t *slots,
                        int64_t t, const shmk_kv_t *kv) {
-    if (kv->dtype == 2 && (kv->d > 1024 || (kv->d & (kv->d - 1)))) return; /* callers check */
+    if (int8_rows_unsupported(kv)) return;
     const int avx2 = shmk_path() >= SHMK_AVX2;
     const int64_t nslots = kv->num_blocks * kv->block_size;
     const size_t esz = kv_esize(kv);
@@ -1008,8 +1014,8 @@ void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
                          const int32_t *qsl, int64_t b, int64_t hq, float scale, float *out) {
     const int64_t total_q = qsl[b] - qsl[0];
     if (total_q <= 0) return;
+    if (int8_rows_unsupported(kv)) return;
     if (kv->dtype == 2) {
-        if (kv->d > 1024 || (kv->d & (kv->d - 1))) return; /* the callers check this */
         /* NOTE: (H q).(H k) = d (q.k) with the unnormalised transform */
         q = rotate_queries(q, q_stride, qsl[b], hq, kv->d);
         q_stride = hq * kv->d;

@@ -158,8 +158,9 @@ void shmk_silu_mul(const float *gu, int64_t m, int64_t f, float *out) {
 }
 
 /* ------------------------------------------------------------------ argmax (greedy sampling)
- * NOTE: the LM head's batch-16 logits (3 MB) are not in cache when sampling starts; numpy's
- * argmax read them on one thread in ~370 us, split over the pool by rows ~200 us. */
+ * NOTE: the LM head's batch-16 logits are 3 MB; numpy's argmax read them on one thread in
+ * ~370 us (from Python, caches cold), split over the pool by rows ~200 us.  The model step runs
+ * it right after the LM head when every row is greedy (shmk_model_forward). */
 
 /* the argmax of x[0..n) given that of x[0..j0) (value v at best) */
 static int64_t argmax_from(const float *x, int64_t j0, int64_t n, float v, int64_t best) {

@@ -19,7 +19,7 @@ import torch
 from shm_engine.model import kernels
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
-from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype, kv_block_size
+from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype
 
 
 def _trim_heap() -> None:
@@ -162,7 +162,7 @@ class Int8Llama:
     ) -> torch.Tensor:
         """fp32 logits [len(logits_indices), vocab]; each row's argmax (first index of the
         largest, NaN as -inf) into ``argmax_out`` (int64) if given."""
-        k0 = kv_caches[0][0]
+        stack = self._stack_for(kv_caches)  # its cache geometry was derived and checked once
         step = kernels.LayerStep(
             positions=batch.positions,
             slot_mapping=batch.slot_mapping,
@@ -170,14 +170,14 @@ class Int8Llama:
             seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc,
             cos_sin=self.cos_sin,
-            num_blocks=k0.shape[0],
-            block_size=kv_block_size(k0.shape[2], k0.shape[3], k0.dtype),
+            num_blocks=stack.num_blocks,
+            block_size=stack.block_size,
             scale=self.scale,
             scratch=self._scratch_for(batch.num_tokens),
         )
         return kernels.model_forward(
             self._ends,
-            self._stack_for(kv_caches),
+            stack,
             step,
             batch.input_ids,
             batch.logits_indices,
