@@ -19,6 +19,7 @@ import torch
 from shm_engine.model import kernels
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
+from shm_engine.model.hugepages import HugeArena
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype
 
 
@@ -64,9 +65,12 @@ class Int8Llama:
         c = config
         # NOTE: one fp32 vocabulary-sized matrix alive at a time (113 MB for SmolLM2): these set
         # the peak RSS of loading.
+        # NOTE: every packed weight in one huge-page arena (see HugeArena): batch-1 decode is a
+        # stream of all of them each step.
+        self._arena = HugeArena(self._arena_bytes(c))
         emb_name = "model.embed_tokens.weight"
         self.lm_head = kernels.PackedLinear.from_float(
-            weights[emb_name if c.tie_word_embeddings else "lm_head.weight"]
+            weights[emb_name if c.tie_word_embeddings else "lm_head.weight"], arena=self._arena
         )
         # The embedding is looked up, never multiplied: int8 rows with the GEMM's group-32 scales
         # (for tied weights exactly the LM head's quantisation).
@@ -91,6 +95,14 @@ class Int8Llama:
         self._scratch: kernels.LayerScratch | None = None
         self._stack: kernels.LlamaStack | None = None
 
+    @staticmethod
+    def _arena_bytes(c: ModelConfig) -> int:
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q)]
+        shapes += [(2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+        layer = sum(kernels.PackedLinear.arena_bytes(n, k) for n, k in shapes)
+        return c.num_layers * layer + kernels.PackedLinear.arena_bytes(c.vocab_size, c.hidden_size)
+
     def _pack_layer(self, w: Mapping[str, torch.Tensor], i: int) -> kernels.LlamaLayer:
         c = self.config
         p = f"model.layers.{i}."
@@ -108,13 +120,15 @@ class Int8Llama:
             eps=c.rms_norm_eps,
             input_norm=w[p + "input_layernorm.weight"],
             post_norm=w[p + "post_attention_layernorm.weight"],
-            qkv=kernels.PackedLinear.from_float(qkv, bias),
-            o=kernels.PackedLinear.from_float(w[p + "self_attn.o_proj.weight"]),
-            gate_up=kernels.PackedLinear.from_float(gate_up),
+            qkv=kernels.PackedLinear.from_float(qkv, bias, arena=self._arena),
+            o=kernels.PackedLinear.from_float(w[p + "self_attn.o_proj.weight"], arena=self._arena),
+            gate_up=kernels.PackedLinear.from_float(gate_up, arena=self._arena),
             # NOTE: int16 activations for down_proj even on AMX: its input (SiLU(gate) * up) is
             # heavy-tailed, and bf16 there cost SmolLM2 ~0.6 % teacher-forced top-1 agreement with
             # fp32 (97.6 %); bf16 into qkv, o, gate_up and the LM head cost none (98.2 %).
-            down=kernels.PackedLinear.from_float(w[p + "mlp.down_proj.weight"], act_bf16=False),
+            down=kernels.PackedLinear.from_float(
+                w[p + "mlp.down_proj.weight"], act_bf16=False, arena=self._arena
+            ),
         )
 
     @property

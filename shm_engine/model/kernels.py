@@ -43,6 +43,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from shm_engine._kernels_cffi import ffi, lib
+from shm_engine.model.hugepages import HugeArena
 from shm_engine.model.kv_cache import check_kv_dtype, kv_block_size
 
 __all__ = [
@@ -229,13 +230,25 @@ class PackedLinear:
         c.bias = _f32(bias) if bias is not None else ffi.NULL
         self._c = c
 
+    @staticmethod
+    def arena_bytes(n: int, k: int) -> int:
+        """What packing an [n, k] weight takes from a HugeArena."""
+        return HugeArena.footprint(int(lib.shmk_packed_bytes(n, k)), torch.int8) + (
+            HugeArena.footprint(int(lib.shmk_packed_scales(n, k)), torch.int16)
+        )
+
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16: bool = True
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        act_bf16: bool = True,
+        arena: HugeArena | None = None,
     ) -> PackedLinear:
         """Quantise and pack a float weight [n, k] (any float dtype; copied to fp32 if needed).
 
-        ``act_bf16=False`` keeps int16 activations on the AMX path too (see path "amx")."""
+        ``act_bf16=False`` keeps int16 activations on the AMX path too (see path "amx").
+        ``arena``: place the packed weight and scales there (huge pages) instead of the heap."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
         if not weight.is_floating_point():
@@ -244,8 +257,13 @@ class PackedLinear:
         n, k = w.shape
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
-        packed = torch.empty(int(lib.shmk_packed_bytes(n, k)), dtype=torch.int8)
-        scales = torch.empty(int(lib.shmk_packed_scales(n, k)), dtype=torch.int16)
+        take = (
+            arena.take
+            if arena is not None
+            else lambda numel, dtype: torch.empty(numel, dtype=dtype)
+        )
+        packed = take(int(lib.shmk_packed_bytes(n, k)), torch.int8)
+        scales = take(int(lib.shmk_packed_scales(n, k)), torch.int16)
         mult = float(lib.shmk_pack_weights(_f32(w), n, k, _i8(packed), _u16(scales)))
         b = None
         if bias is not None:
