@@ -44,14 +44,15 @@ void *shmk_scratch(int slot, size_t bytes);
 int shmk_amx_available(void);
 /* The AMX tile configuration (palette 1, tiles 0-7), to load at the start of every task. */
 void shmk_amx_config(const uint8_t rows[8], const uint16_t colsb[8]);
-/* AMX GEMM work split over m rows and nunits weight units (two 16-channel blocks each):
+/* GEMM work split over m rows and nunits weight units (two 16-channel blocks each), for every
+ * path's small-row calls and the AMX kernels' all (pool.c):
  * tasks = mtasks row ranges x ceil(nunits / units_per_task) unit ranges. */
 typedef struct {
     int64_t m, nunits, rows_per_task, mtasks, units_per_task, ntasks;
-} shmk_amx_plan;
-shmk_amx_plan shmk_amx_split(int64_t m, int64_t nunits, int nth);
+} shmk_split_plan;
+shmk_split_plan shmk_split_units(int64_t m, int64_t nunits, int nth);
 /* task's units [u0, u1) and rows [i0, i1) */
-static inline void shmk_amx_task(const shmk_amx_plan *p, int64_t task, int64_t *u0, int64_t *u1,
+static inline void shmk_split_task(const shmk_split_plan *p, int64_t task, int64_t *u0, int64_t *u1,
                                  int64_t *i0, int64_t *i1) {
     const int64_t mt = task % p->mtasks, nt = task / p->mtasks;
     *u0 = nt * p->units_per_task, *u1 = *u0 + p->units_per_task;

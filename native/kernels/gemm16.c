@@ -626,9 +626,12 @@ static void quant_task(void *vctx, int64_t task, int tid) {
         quant_row(c->path, c->x + i * c->k, c->k, c->kp, c->xq_w + i * c->kp, c->sx_w + i);
 }
 
-/* Work split.  Small M: N only (each thread streams its own weight range once).  Large M: tiles
- * of MTILE rows x a few 32-channel units; a block's weights stay in L1 across the rows and the
- * tile's int16 activations (24 x 1.2-3 KB) mostly too (96-row tiles measured ~35% slower). */
+/* Work split.  Small M: N only (each thread streams its own weight range once), split as the
+ * AMX kernels do (shmk_split_units: one task a thread when that balances).  NOTE: 8 tasks a
+ * thread had each task start its two weight streams cold; one a thread took decode b1 186-188
+ * -> 200 tok/s and b8 730 -> 781 (medians of 8-10 alternated rounds in one process).  Large M:
+ * tiles of MTILE rows x a few 32-channel units; a block's weights stay in L1 across the rows and
+ * the tile's int16 activations (24 x 1.2-3 KB) mostly too (96-row tiles measured ~35% slower). */
 #define MTILE 24
 static void plan_and_run(gemm_ctx *c) {
     int nth = shmk_threads();
@@ -637,13 +640,14 @@ static void plan_and_run(gemm_ctx *c) {
     if (c->m <= MTILE) {
         c->m_per_task = c->m;
         c->mtasks = 1;
+        c->units_per_task = shmk_split_units(c->m, c->nunits, nth).units_per_task;
     } else {
         c->m_per_task = MTILE;
         c->mtasks = shmk_cdiv(c->m, MTILE);
+        int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c->mtasks);
+        if (nchunks < 1) nchunks = 1;
+        c->units_per_task = shmk_cdiv(c->nunits, nchunks);
     }
-    int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c->mtasks);
-    if (nchunks < 1) nchunks = 1;
-    c->units_per_task = shmk_cdiv(c->nunits, nchunks);
     int64_t ntasks = shmk_cdiv(c->nunits, c->units_per_task) * c->mtasks;
     shmk_parallel(gemm_task, c, ntasks);
 }

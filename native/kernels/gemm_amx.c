@@ -73,35 +73,10 @@ __attribute__((target("amx-tile"))) void shmk_amx_config(const uint8_t rows[8],
     _tile_loadconfig(&cfg);
 }
 
-shmk_amx_plan shmk_amx_split(int64_t m, int64_t nunits, int nth) {
-    shmk_amx_plan p = {.m = m, .nunits = nunits};
-    /* rows: up to 128 a task, so a unit's weights are prepared (widened or rearranged) once per
-     * 128 rows; 64 measured 10-15% slower at M >= 256 (prefill 512 -3%), 256 left 9 tasks for
-     * 2 threads on the 576-channel matrices at M = 256 */
-    p.rows_per_task = m <= 128 ? m : 128;
-    p.mtasks = shmk_cdiv(m, p.rows_per_task);
-    /* unit ranges: up to 8 * nth tasks in all, sized so that the busiest thread's share (tasks
-     * claimed in turn, equal speeds) is smallest; with one row range, the fewest tasks among
-     * equal shares.  NOTE: a fixed 8 * nth split left one thread 5 tasks and the other 4 on the
-     * 18-unit matrices (o, down) at 2 threads: 10 units against 8.  And each task starts on cold
-     * weights (a unit prefetches the next one only within its task): one task a thread took
-     * batch-16 qkv from 54-55 to 47-51 us, gate_up from 131-140 to 118-129. */
-    const int64_t max_chunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, p.mtasks);
-    int64_t best_load = -1;
-    for (int64_t chunks = max_chunks; chunks >= 1; chunks--) {
-        const int64_t upt = shmk_cdiv(nunits, chunks), tasks = shmk_cdiv(nunits, upt) * p.mtasks;
-        const int64_t load = shmk_cdiv(tasks, nth) * upt;
-        if (best_load < 0 || load < best_load || (load == best_load && p.mtasks == 1))
-            best_load = load, p.units_per_task = upt;
-    }
-    p.ntasks = shmk_cdiv(nunits, p.units_per_task) * p.mtasks;
-    return p;
-}
-
 typedef struct {
     const uint16_t *xb; /* bf16 [mp][kp], rows past m zero */
     int64_t m, kp, G, n, nb, nunits;
-    shmk_amx_plan plan;
+    shmk_split_plan plan;
     const int8_t *packed;
     const uint16_t *scales;
     float mult;
@@ -241,7 +216,7 @@ AMX_FN static void amx_task(void *vctx, int64_t task, int tid) {
     (void)tid;
     const amx_ctx *c = vctx;
     int64_t u0, u1, i0, i1;
-    shmk_amx_task(&c->plan, task, &u0, &u1, &i0, &i1);
+    shmk_split_task(&c->plan, task, &u0, &u1, &i0, &i1);
     uint16_t *wb = shmk_scratch(6, (size_t)(2 * c->G * GBYTES) * sizeof(uint16_t));
     float *acc = shmk_scratch(7, (size_t)(MT * 32 + 4 * 256) * sizeof(float));
     float *cbuf = acc + MT * 32;
@@ -284,6 +259,6 @@ void shmk_linear_amx(const shmk_linear_t *w, const float *x, int64_t m, float *y
     c.xb = shmk_scratch(0, (size_t)(mp * c.kp) * sizeof(uint16_t));
     c.rows_per_ctask = shmk_cdiv(mp, 4 * nth);
     shmk_parallel(convert_task, &c, shmk_cdiv(mp, c.rows_per_ctask));
-    c.plan = shmk_amx_split(m, c.nunits, nth);
+    c.plan = shmk_split_units(m, c.nunits, nth);
     shmk_parallel(amx_task, &c, c.plan.ntasks);
 }

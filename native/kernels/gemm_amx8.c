@@ -39,7 +39,7 @@ typedef struct {
     const uint8_t *al; /* [mp][kp] low bytes (unsigned) */
     const float *sx;   /* [m] row scales */
     int64_t m, k, kp, G, n, nb, nunits;
-    shmk_amx_plan plan;
+    shmk_split_plan plan;
     const int8_t *packed;
     const uint16_t *scales;
     float mult;
@@ -187,7 +187,7 @@ AMX8_FN static void amx8_task(void *vctx, int64_t task, int tid) {
     (void)tid;
     const amx8_ctx *c = vctx;
     int64_t u0, u1, i0, i1;
-    shmk_amx_task(&c->plan, task, &u0, &u1, &i0, &i1);
+    shmk_split_task(&c->plan, task, &u0, &u1, &i0, &i1);
     int32_t *cbuf = shmk_scratch(7, 2 * 512 * sizeof(int32_t));
     /* A_hi, A_lo: 16 x 32 bytes; B: 8 x 64 bytes; C: 16 x 16 int32 */
     static const uint8_t rows[8] = {MR, MR, GK / 4, GK / 4, MR, MR, MR, MR};
@@ -223,6 +223,6 @@ void shmk_linear_amx8(const shmk_linear_t *w, const float *x, int64_t m, float *
     c.sx = c.sx_w = shmk_scratch(1, (size_t)m * sizeof(float));
     c.rows_per_qtask = shmk_cdiv(mp, 4 * nth);
     shmk_parallel(quant_task, &c, shmk_cdiv(mp, c.rows_per_qtask));
-    c.plan = shmk_amx_split(m, c.nunits, nth);
+    c.plan = shmk_split_units(m, c.nunits, nth);
     shmk_parallel(amx8_task, &c, c.plan.ntasks);
 }

@@ -206,6 +206,32 @@ void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t ntasks) {
     pthread_mutex_unlock(&P.lock);
 }
 
+/* ---- work split for the GEMMs (common.h) ---- */
+shmk_split_plan shmk_split_units(int64_t m, int64_t nunits, int nth) {
+    shmk_split_plan p = {.m = m, .nunits = nunits};
+    /* rows: up to 128 a task, so a unit's weights are prepared (widened or rearranged) once per
+     * 128 rows; 64 measured 10-15% slower at M >= 256 (prefill 512 -3%), 256 left 9 tasks for
+     * 2 threads on the 576-channel matrices at M = 256 */
+    p.rows_per_task = m <= 128 ? m : 128;
+    p.mtasks = shmk_cdiv(m, p.rows_per_task);
+    /* unit ranges: up to 8 * nth tasks in all, sized so that the busiest thread's share (tasks
+     * claimed in turn, equal speeds) is smallest; with one row range, the fewest tasks among
+     * equal shares.  NOTE: a fixed 8 * nth split left one thread 5 tasks and the other 4 on the
+     * 18-unit matrices (o, down) at 2 threads: 10 units against 8.  And each task starts on cold
+     * weights (a unit prefetches the next one only within its task): one task a thread took
+     * batch-16 qkv from 54-55 to 47-51 us, gate_up from 131-140 to 118-129. */
+    const int64_t max_chunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, p.mtasks);
+    int64_t best_load = -1;
+    for (int64_t chunks = max_chunks; chunks >= 1; chunks--) {
+        const int64_t upt = shmk_cdiv(nunits, chunks), tasks = shmk_cdiv(nunits, upt) * p.mtasks;
+        const int64_t load = shmk_cdiv(tasks, nth) * upt;
+        if (best_load < 0 || load < best_load || (load == best_load && p.mtasks == 1))
+            best_load = load, p.units_per_task = upt;
+    }
+    p.ntasks = shmk_cdiv(nunits, p.units_per_task) * p.mtasks;
+    return p;
+}
+
 /* ---- thread-local scratch ---- */
 #define NSLOTS 9
 static _Thread_local struct {
