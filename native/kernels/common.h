@@ -52,8 +52,8 @@ typedef struct {
 } shmk_split_plan;
 shmk_split_plan shmk_split_units(int64_t m, int64_t nunits, int nth);
 /* task's units [u0, u1) and rows [i0, i1) */
-static inline void shmk_split_task(const shmk_split_plan *p, int64_t task, int64_t *u0, int64_t *u1,
-                                 int64_t *i0, int64_t *i1) {
+static inline void shmk_split_task(const shmk_split_plan *p, int64_t task, int64_t *u0,
+                                   int64_t *u1, int64_t *i0, int64_t *i1) {
     const int64_t mt = task % p->mtasks, nt = task / p->mtasks;
     *u0 = nt * p->units_per_task, *u1 = *u0 + p->units_per_task;
     *i0 = mt * p->rows_per_task, *i1 = *i0 + p->rows_per_task;

@@ -62,7 +62,7 @@ class HugeArena:
     @staticmethod
     def footprint(numel: int, dtype: torch.dtype) -> int:
         """Bytes a piece of ``numel`` elements takes, alignment included."""
-        size = numel * torch.empty(0, dtype=dtype).element_size()
+        size = numel * dtype.itemsize
         return -(-size // HugeArena._ALIGN) * HugeArena._ALIGN
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -63,11 +63,11 @@ class Int8Llama:
             kernels.set_num_threads(num_threads)
         self.config = config
         c = config
-        # NOTE: one fp32 vocabulary-sized matrix alive at a time (113 MB for SmolLM2): these set
-        # the peak RSS of loading.
         # NOTE: every packed weight in one huge-page arena (see HugeArena): batch-1 decode is a
         # stream of all of them each step.
         self._arena = HugeArena(self._arena_bytes(c))
+        # NOTE: one fp32 vocabulary-sized matrix alive at a time (113 MB for SmolLM2): these set
+        # the peak RSS of loading.
         emb_name = "model.embed_tokens.weight"
         self.lm_head = kernels.PackedLinear.from_float(
             weights[emb_name if c.tie_word_embeddings else "lm_head.weight"], arena=self._arena
