@@ -141,18 +141,54 @@ static void put_row(const shmk_kv_t *kv, void *cache, int64_t blk, int64_t h, in
     }
 }
 
+typedef struct {
+    const float *k, *v;
+    int64_t stride, t, rows;
+    const int64_t *slots;
+    const shmk_kv_t *kv;
+} write_ctx;
+
+/* tokens [i0, i1) of write_rows */
+static void put_rows(const write_ctx *c, int64_t i0, int64_t i1) {
+    const shmk_kv_t *kv = c->kv;
+    const int avx2 = shmk_path() >= SHMK_AVX2;
+    const int64_t nslots = kv->num_blocks * kv->block_size;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t s = c->slots[i];
+        if (s < 0 || s >= nslots) continue;
+        const int64_t blk = s / kv->block_size, pos = s % kv->block_size;
+        for (int64_t h = 0; h < kv->hk; h++) {
+            put_row(kv, kv->k, blk, h, pos, c->k + i * c->stride + h * kv->d, 1, avx2);
+            put_row(kv, kv->v, blk, h, pos, c->v + i * c->stride + h * kv->d, 0, avx2);
+        }
+    }
+}
+
+static void put_task(void *vctx, int64_t task, int tid) {
+    (void)tid;
+    const write_ctx *c = vctx;
+    const int64_t i0 = task * c->rows;
+    put_rows(c, i0, i0 + c->rows < c->t ? i0 + c->rows : c->t);
+}
+
 /* token i's kv head h is at k + i * stride + h * d (same for v); slots outside the cache are
  * skipped (the callers validate them; this keeps a bad slot from writing out of bounds). */
 static void write_rows(const float *k, const float *v, int64_t stride, const int64_t *slots,
                        int64_t t, const shmk_kv_t *kv) {
     if (int8_rows_unsupported(kv)) return;
-    const int avx2 = shmk_path() >= SHMK_AVX2;
+    write_ctx c = {k, v, stride, t, 0, slots, kv};
+    /* NOTE: a prefill's rows over the pool (512 tokens: ~70 us a layer on one thread) */
+    if (t > 64 && shmk_threads() > 1) {
+        c.rows = shmk_cdiv(t, 4 * shmk_threads());
+        shmk_parallel(put_task, &c, shmk_cdiv(t, c.rows));
+        return;
+    }
     const int64_t nslots = kv->num_blocks * kv->block_size;
     const size_t esz = kv_esize(kv);
     /* NOTE: a decode step's rows land in as many cache blocks as sequences, each store a miss:
      * ask for every destination line first so the misses overlap (batch 16: 8-10 -> 7-8 us;
      * a prefill's rows fill whole blocks in order, which the hardware prefetcher follows) */
-    for (int64_t i = 0; i < (t <= 64 ? t : 0); i++) {
+    for (int64_t i = 0; i < t; i++) {
         const int64_t s = slots[i];
         if (s < 0 || s >= nslots) continue;
         for (int64_t h = 0; h < kv->hk; h++) {
@@ -163,15 +199,7 @@ static void write_rows(const float *k, const float *v, int64_t stride, const int
             }
         }
     }
-    for (int64_t i = 0; i < t; i++) {
-        const int64_t s = slots[i];
-        if (s < 0 || s >= nslots) continue;
-        const int64_t blk = s / kv->block_size, pos = s % kv->block_size;
-        for (int64_t h = 0; h < kv->hk; h++) {
-            put_row(kv, kv->k, blk, h, pos, k + i * stride + h * kv->d, 1, avx2);
-            put_row(kv, kv->v, blk, h, pos, v + i * stride + h * kv->d, 0, avx2);
-        }
-    }
+    put_rows(&c, 0, t);
 }
 
 void shmk_write_kv(const float *k, const float *v, const int64_t *slots, int64_t t,

@@ -25,7 +25,7 @@ def gen(seed):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("m,h", [(1, 576), (5, 7), (33, 100)])
+@pytest.mark.parametrize("m,h", [(1, 576), (5, 7), (33, 100), (300, 576)])
 def test_rmsnorm(path, m, h):
     K.set_path(path)
     g = gen(m * h)
@@ -359,6 +359,35 @@ def test_fused_layer_matches_primitives(bias, dtype):
     assert torch.equal(h, ref)
     with pytest.raises(ValueError, match="hidden"):
         K.llama_layer_forward(layer, step, h[:-1].contiguous(), kc, vc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_fused_layer_long_prefill_same_bits_on_any_thread_count(dtype):
+    """A prefill long enough that the row-wise ops (norms, RoPE, KV writes) split over the pool:
+    two threads give one thread's bits, and those are the primitives' (run on one thread)."""
+    layer = make_layer(6)
+    hq, hk, d, bs = 4, 2, 16, 8
+    seqs = [(300, 300), (40, 1)]
+    _, kc, vc, meta, _, _ = make_batch(seqs, hq, hk, d, bs, seed=13, dtype=dtype)
+    pos, slots = new_positions_and_slots(seqs, meta["block_table"], bs)
+    cs = K.rope_cos_sin(K.rope_inv_freq(d, 1e4), 512)
+    hidden = torch.randn(len(pos), 64, generator=gen(4))
+    step = K.LayerStep(
+        positions=pos, slot_mapping=slots, cos_sin=cs, num_blocks=kc.shape[0], block_size=bs,
+        scale=d**-0.5, scratch=K.LayerScratch(layer, max_tokens=512), **meta,
+    )  # fmt: skip
+    outs = []
+    for threads in (1, 2):
+        K.set_num_threads(threads)
+        h, kc2, vc2 = hidden.clone(), kc.clone(), vc.clone()
+        K.llama_layer_forward(layer, step, h, kc2, vc2)
+        outs.append((h, kc2, vc2))
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+    K.set_num_threads(1)
+    kc3, vc3 = kc.clone(), vc.clone()
+    ref = primitive_layer(layer, hidden.clone(), kc3, vc3, pos, slots, meta, cs, d**-0.5)
+    assert torch.equal(outs[0][1], kc3) and torch.equal(outs[0][2], vc3)
+    assert torch.equal(outs[0][0], ref)
 
 
 @pytest.mark.skipif(K.best_path() != "amx", reason="needs AMX")
