@@ -15,9 +15,12 @@
  * packed block-group (16 channels x 2 k each, AMX-BF16's B layout: one vpermw splits each of
  * gemm16.c's quad rows into two, each int8 then widened to bf16), C = 16 x 16 fp32.  A task
  * takes a unit (two blocks, 32 channels) over a range of rows: the unit's weights are widened to
- * bf16 once into thread-local scratch,
- * then for every 32 rows and group: 4 tile products into zeroed C tiles, which are stored and
- * folded into fp32 accumulators with the group scales. */
+ * bf16 once into thread-local scratch, then for each block and 16 rows the groups run in order:
+ * one tile product into a zeroed C tile, stored a group later, folded with the group's scale
+ * into 16 zmm accumulators a group after that (block_rows; gemm_amx8.c's pipeline).
+ * NOTE: against four products a group (32 rows x 2 blocks) folded into accumulators in memory:
+ * prefill 512 +0.7-2.6 % (three alternated pairs); GEMM-only, the widening takes ~18 % of a hot
+ * M = 512 gate_up and the next unit's prefetch ~5 %. */
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <string.h>
@@ -27,7 +30,6 @@
 #include "common.h"
 
 #define AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
-#define MT 32 /* rows per register pass: two A tiles */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -151,65 +153,77 @@ AMX_FN static void widen_unit(const amx_ctx *c, int64_t blk, int nblk, uint16_t 
         }
 }
 
-/* y rows r0 .. r0+nrow-1 (< m) of channels blk*16 .. from acc[r][b*16 ..] */
-AMX_FN static void store_rows(const amx_ctx *c, int64_t blk, int nblk, int64_t r0, int nrow,
+/* y rows r0 .. r0+nrow-1 (< m) of block blk's 16 channels from acc[r][16] */
+AMX_FN static void store_rows(const amx_ctx *c, int64_t blk, int64_t r0, int nrow,
                               const float *acc) {
     const __m512 mult = _mm512_set1_ps(c->mult);
-    for (int b = 0; b < nblk; b++) {
-        const int64_t j0 = (blk + b) * NB;
-        const int64_t ncols = c->n - j0 < NB ? c->n - j0 : NB;
-        const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
-        const __m512 bias =
-            c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + j0) : _mm512_setzero_ps();
-        for (int r = 0; r < nrow; r++) {
-            float *y = c->y + (r0 + r) * c->n + j0;
-            __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(acc + r * 32 + b * 16), mult), bias);
-            if (c->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
-            _mm512_mask_storeu_ps(y, mask, v);
-        }
+    const int64_t j0 = blk * NB;
+    const int64_t ncols = c->n - j0 < NB ? c->n - j0 : NB;
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
+    const __m512 bias = c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + j0) : _mm512_setzero_ps();
+    for (int r = 0; r < nrow; r++) {
+        float *y = c->y + (r0 + r) * c->n + j0;
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(acc + r * 16), mult), bias);
+        if (c->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
+        _mm512_mask_storeu_ps(y, mask, v);
     }
 }
 
-/* NOTE: the tile numbers are immediates: A tiles 0-1, B tiles 2-3, C tiles 4-7. */
-AMX_FN static void unit_rows(const amx_ctx *c, int64_t blk, int nblk, const uint16_t *wb,
-                             int64_t r0, int two_a, float *acc, float *cbuf) {
-    memset(acc, 0, MT * 32 * sizeof(float));
+#define FOLD_ROW(r, a) a = _mm512_fmadd_ps(_mm512_load_ps(t + (r) * 16), s, a)
+
+/* Rows r0 .. r0+nrow-1 (nrow <= 16) of one block over all groups, wbb its widened weights.
+ * NOTE: the 16 x 16 accumulators are named zmm registers (folding into 32 x 32 in memory, four
+ * tile products a group, made the fold's loads and stores the bound: ~2x the tile work), and
+ * the groups are software-pipelined as in gemm_amx8.c: group g's product, group g-1's C tile
+ * stored (its product done by now), group g-2's fold (its store done by now).  The tile numbers
+ * are immediates, so they alternate with the group's parity: A 0 / 1, B 2 / 3, C 4 / 5. */
+AMX_FN static void block_rows(const amx_ctx *c, int64_t blk, const uint16_t *wbb, int64_t r0,
+                              int nrow, float *cbuf) {
     const int64_t G = c->G, stride = c->kp * (int64_t)sizeof(uint16_t);
-    for (int64_t g = 0; g < G; g++) {
-        const uint16_t *a = c->xb + r0 * c->kp + g * GK;
-        _tile_loadd(0, a, stride);
-        _tile_loadd(2, wb + g * GBYTES, 64);
-        _tile_zero(4);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_stored(4, cbuf, 64);
-        if (nblk == 2) {
-            _tile_loadd(3, wb + (G + g) * GBYTES, 64);
-            _tile_zero(5);
-            _tile_dpbf16ps(5, 0, 3);
-            _tile_stored(5, cbuf + 256, 64);
-        }
-        if (two_a) {
-            _tile_loadd(1, a + 16 * c->kp, stride);
-            _tile_zero(6);
-            _tile_dpbf16ps(6, 1, 2);
-            _tile_stored(6, cbuf + 512, 64);
-            if (nblk == 2) {
-                _tile_zero(7);
-                _tile_dpbf16ps(7, 1, 3);
-                _tile_stored(7, cbuf + 768, 64);
+    const uint16_t *scales = c->scales + blk * G * NB;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+    for (int64_t g = 0; g < G + 2; g++) {
+        if (g < G) {
+            const uint16_t *a = c->xb + r0 * c->kp + g * GK;
+            if (g & 1) {
+                _tile_loadd(1, a, stride);
+                _tile_loadd(3, wbb + g * GBYTES, 64);
+                _tile_zero(5);
+                _tile_dpbf16ps(5, 1, 3);
+            } else {
+                _tile_loadd(0, a, stride);
+                _tile_loadd(2, wbb + g * GBYTES, 64);
+                _tile_zero(4);
+                _tile_dpbf16ps(4, 0, 2);
             }
         }
-        for (int b = 0; b < nblk; b++) {
+        if (g >= 1 && g <= G) {
+            if ((g - 1) & 1)
+                _tile_stored(5, cbuf + 256, 64);
+            else
+                _tile_stored(4, cbuf, 64);
+        }
+        if (g >= 2) {
+            const float *t = cbuf + ((g - 2) & 1) * 256;
             const __m512 s = _mm512_cvtph_ps(
-                _mm256_loadu_si256((const __m256i *)(c->scales + ((blk + b) * G + g) * NB)));
-            for (int h = 0; h < (two_a ? 2 : 1); h++)
-                for (int r = 0; r < 16; r++) {
-                    float *o = acc + (h * 16 + r) * 32 + b * 16;
-                    const float *t = cbuf + (h * 2 + b) * 256 + r * 16;
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(t), s, _mm512_loadu_ps(o)));
-                }
+                _mm256_loadu_si256((const __m256i *)(scales + (g - 2) * NB)));
+            FOLD_ROW(0, a0), FOLD_ROW(1, a1), FOLD_ROW(2, a2), FOLD_ROW(3, a3);
+            FOLD_ROW(4, a4), FOLD_ROW(5, a5), FOLD_ROW(6, a6), FOLD_ROW(7, a7);
+            FOLD_ROW(8, a8), FOLD_ROW(9, a9), FOLD_ROW(10, a10), FOLD_ROW(11, a11);
+            FOLD_ROW(12, a12), FOLD_ROW(13, a13), FOLD_ROW(14, a14), FOLD_ROW(15, a15);
         }
     }
+    float acc[16 * 16] __attribute__((aligned(64)));
+    _mm512_store_ps(acc, a0), _mm512_store_ps(acc + 16, a1), _mm512_store_ps(acc + 32, a2);
+    _mm512_store_ps(acc + 48, a3), _mm512_store_ps(acc + 64, a4);
+    _mm512_store_ps(acc + 80, a5), _mm512_store_ps(acc + 96, a6);
+    _mm512_store_ps(acc + 112, a7), _mm512_store_ps(acc + 128, a8);
+    _mm512_store_ps(acc + 144, a9), _mm512_store_ps(acc + 160, a10);
+    _mm512_store_ps(acc + 176, a11), _mm512_store_ps(acc + 192, a12);
+    _mm512_store_ps(acc + 208, a13), _mm512_store_ps(acc + 224, a14);
+    _mm512_store_ps(acc + 240, a15);
+    store_rows(c, blk, r0, nrow, acc);
 }
 
 AMX_FN static void amx_task(void *vctx, int64_t task, int tid) {
@@ -218,8 +232,7 @@ AMX_FN static void amx_task(void *vctx, int64_t task, int tid) {
     int64_t u0, u1, i0, i1;
     shmk_split_task(&c->plan, task, &u0, &u1, &i0, &i1);
     uint16_t *wb = shmk_scratch(6, (size_t)(2 * c->G * GBYTES) * sizeof(uint16_t));
-    float *acc = shmk_scratch(7, (size_t)(MT * 32 + 4 * 256) * sizeof(float));
-    float *cbuf = acc + MT * 32;
+    float *cbuf = shmk_scratch(7, 2 * 256 * sizeof(float)); /* two C tiles, 64-byte aligned */
     static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
     shmk_amx_config(rows, colsb);
@@ -236,11 +249,10 @@ AMX_FN static void amx_task(void *vctx, int64_t task, int tid) {
         for (int64_t off = 0; off < 2 * c->G * NB * 2; off += 64)
             _mm_prefetch(next_s + off, _MM_HINT_T1);
         widen_unit(c, blk, nblk, wb);
-        for (int64_t r0 = i0; r0 < i1; r0 += MT) {
-            const int64_t rows = i1 - r0 < MT ? i1 - r0 : MT;
-            unit_rows(c, blk, nblk, wb, r0, rows > 16, acc, cbuf);
-            store_rows(c, blk, nblk, r0, (int)rows, acc);
-        }
+        for (int b = 0; b < nblk; b++)
+            for (int64_t r0 = i0; r0 < i1; r0 += 16)
+                block_rows(c, blk + b, wb + b * c->G * GBYTES, r0,
+                           (int)(i1 - r0 < 16 ? i1 - r0 : 16), cbuf);
     }
     _tile_release();
 }
