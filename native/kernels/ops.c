@@ -97,8 +97,6 @@ void shmk_rmsnorm(float *x, const float *residual, const float *w, int64_t m, in
 
 /* ------------------------------------------------------------------ RoPE */
 /* out[i] = x[i] c[i] - x[i+d/2] s[i];  out[i+d/2] = x[i+d/2] c[i] + x[i] s[i]  (HF rotate_half) */
-static void rope_heads(float *x, int64_t nh, int64_t d, const float *cs);
-
 /* rope_heads on 8 lanes (half a multiple of 8): the same products and sums, so the same bits */
 AVX2_FN static void rope_heads_avx2(float *x, int64_t nh, int64_t d, const float *cs) {
     const int64_t half = d / 2;
