@@ -60,6 +60,23 @@ static inline void shmk_split_task(const shmk_split_plan *p, int64_t task, int64
     if (*u1 > p->nunits) *u1 = p->nunits;
     if (*i1 > p->m) *i1 = p->m;
 }
+/* The tile kernels' accumulators for a 16 x 16 block: 16 zmm named a0 .. a15, one a row (named,
+ * not an array, which would live on the stack), declared zeroed and spilled to acc[16][16] for
+ * the epilogue.  Expand inside functions compiled for AVX-512. */
+#define SHMK_ACC16_ZERO()                                                                      \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,     \
+           a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0
+#define SHMK_ACC16_STORE(acc)                                                                  \
+    do {                                                                                       \
+        _mm512_store_ps((acc), a0), _mm512_store_ps((acc) + 16, a1);                           \
+        _mm512_store_ps((acc) + 32, a2), _mm512_store_ps((acc) + 48, a3);                      \
+        _mm512_store_ps((acc) + 64, a4), _mm512_store_ps((acc) + 80, a5);                      \
+        _mm512_store_ps((acc) + 96, a6), _mm512_store_ps((acc) + 112, a7);                     \
+        _mm512_store_ps((acc) + 128, a8), _mm512_store_ps((acc) + 144, a9);                    \
+        _mm512_store_ps((acc) + 160, a10), _mm512_store_ps((acc) + 176, a11);                  \
+        _mm512_store_ps((acc) + 192, a12), _mm512_store_ps((acc) + 208, a13);                  \
+        _mm512_store_ps((acc) + 224, a14), _mm512_store_ps((acc) + 240, a15);                  \
+    } while (0)
 /* y (+)= linear(x) on AMX tiles (bf16 activations; see gemm_amx.c) */
 void shmk_linear_amx(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
 

@@ -181,8 +181,7 @@ AMX_FN static void block_rows(const amx_ctx *c, int64_t blk, const uint16_t *wbb
                               int nrow, float *cbuf) {
     const int64_t G = c->G, stride = c->kp * (int64_t)sizeof(uint16_t);
     const uint16_t *scales = c->scales + blk * G * NB;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+    SHMK_ACC16_ZERO();
     for (int64_t g = 0; g < G + 2; g++) {
         if (g < G) {
             const uint16_t *a = c->xb + r0 * c->kp + g * GK;
@@ -215,14 +214,7 @@ AMX_FN static void block_rows(const amx_ctx *c, int64_t blk, const uint16_t *wbb
         }
     }
     float acc[16 * 16] __attribute__((aligned(64)));
-    _mm512_store_ps(acc, a0), _mm512_store_ps(acc + 16, a1), _mm512_store_ps(acc + 32, a2);
-    _mm512_store_ps(acc + 48, a3), _mm512_store_ps(acc + 64, a4);
-    _mm512_store_ps(acc + 80, a5), _mm512_store_ps(acc + 96, a6);
-    _mm512_store_ps(acc + 112, a7), _mm512_store_ps(acc + 128, a8);
-    _mm512_store_ps(acc + 144, a9), _mm512_store_ps(acc + 160, a10);
-    _mm512_store_ps(acc + 176, a11), _mm512_store_ps(acc + 192, a12);
-    _mm512_store_ps(acc + 208, a13), _mm512_store_ps(acc + 224, a14);
-    _mm512_store_ps(acc + 240, a15);
+    SHMK_ACC16_STORE(acc);
     store_rows(c, blk, r0, nrow, acc);
 }
 
