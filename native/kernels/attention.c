@@ -729,7 +729,36 @@ typedef void (*dec_scores_fn)(const float *, int64_t, const void *const *, float
 typedef void (*dec_pv_fn)(float *, int64_t, int64_t, const float *, int64_t, const void *const *,
                           int);
 
-AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk, int prefetch) {
+/* The decode passes read one kv head's K chunks, then its V chunks: one stream of 2 x nch
+ * chunks.  Prefetches (to L1) stream chunk s: its rows and, for int8, its scales.
+ * NOTE: a rolling window DEC_PF chunks ahead, V's first chunks arriving during K's last ones,
+ * against all of a task's K and V asked for up front (prefetch_task_kv): batch-16 decode
+ * attention in the model 105-110 -> 97-103 us a layer, b32 -3.5 %, alone at 400 tokens of
+ * context -9-15 % (alternated builds); the up-front requests had stalled on full miss queues
+ * with nothing computed meanwhile.  Small batches the same. */
+#define DEC_PF 4
+static inline void prefetch_stream_chunk(const shmk_kv_t *kv, const int32_t *bt_row, int64_t h,
+                                         int64_t s, int64_t nch, int64_t end) {
+    if (s >= 2 * nch) return;
+    const void *cache = s < nch ? kv->k : kv->v;
+    const int64_t c0 = (s < nch ? s : s - nch) * ATT_CHUNK;
+    const int cn = end - c0 < ATT_CHUNK ? (int)(end - c0) : ATT_CHUNK;
+    const int64_t row_bytes = kv->d * (int64_t)kv_esize(kv);
+    const void *rows[ATT_CHUNK];
+    chunk_rows(kv, cache, bt_row, h, c0, end, rows);
+    for (int j = 0; j < cn; j++)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            _mm_prefetch((const char *)rows[j] + b, _MM_HINT_T0);
+    if (kv->dtype == 2) { /* the chunk's first and last scales (at most two lines) */
+        int64_t bi, off;
+        split_pos(kv, c0, &bi, &off);
+        _mm_prefetch((const char *)kv_scale(kv, cache, bt_row[bi], h, off), _MM_HINT_T0);
+        split_pos(kv, c0 + cn - 1, &bi, &off);
+        _mm_prefetch((const char *)kv_scale(kv, cache, bt_row[bi], h, off), _MM_HINT_T0);
+    }
+}
+
+AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk) {
     static const dec_scores_fn scores_by_type[2][DEC_ROWS + 1] = {
         {NULL, dec_scores8_F16_1, dec_scores8_F16_2, dec_scores8_F16_3},
         {NULL, dec_scores8_I8_1, dec_scores8_I8_2, dec_scores8_I8_3}};
@@ -748,10 +777,11 @@ AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk, int prefetc
     float *O = S + G * npos, *inv_sum = O + G * d, *Pv = inv_sum + G;
     const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
     const void *rows[ATT_CHUNK];
-    if (prefetch) prefetch_task_kv(kv, bt_row, h, kv_end);
+    const int64_t nch = shmk_cdiv(kv_end, ATT_CHUNK);
+    for (int64_t s = 0; s < DEC_PF; s++) prefetch_stream_chunk(kv, bt_row, h, s, nch, kv_end);
     /* pass 1: scores (lanes past kv_end are overwritten by softmax_row) */
     for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
-        prefetch_ahead(kv, kv->k, bt_row, h, c0, kv_end);
+        prefetch_stream_chunk(kv, bt_row, h, c0 / ATT_CHUNK + DEC_PF, nch, kv_end);
         chunk_rows(kv, kv->k, bt_row, h, c0, kv_end, rows);
         for (int64_t r0 = 0; r0 < G; r0 += DEC_ROWS) {
             const int nr = dec_rows(G, r0);
@@ -774,7 +804,7 @@ AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk, int prefetc
     memset(O, 0, (size_t)(G * d) * sizeof(float));
     /* pass 2: O = P.V */
     for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
-        prefetch_ahead(kv, kv->v, bt_row, h, c0, kv_end);
+        prefetch_stream_chunk(kv, bt_row, h, nch + c0 / ATT_CHUNK + DEC_PF, nch, kv_end);
         chunk_rows(kv, kv->v, bt_row, h, c0, kv_end, rows);
         const int n = kv_end - c0 < ATT_CHUNK ? (int)(kv_end - c0) : ATT_CHUNK;
         const float *P = S + c0; /* row r's weights at P + r * pstride */
@@ -807,7 +837,7 @@ AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk, int prefetc
 AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int prefetch) {
     const shmk_kv_t *kv = c->kv;
     if (c->wide && kv->dtype >= 1 && kv->d % DEC_COLS == 0 && tk->t1 - tk->t0 == 1) {
-        att_decode(c, tk, prefetch);
+        att_decode(c, tk);
         return;
     }
     const int64_t d = kv->d, G = c->hq / kv->hk;
@@ -1016,12 +1046,9 @@ static void att_task_fn(void *vctx, int64_t task, int tid) {
     else if (rows && c->kv->d == 128)
         att_rows_d128(c, tk);
     else if (c->avx2 && tk->hk < 0) { /* a decode token's every kv head (see the task list) */
-        const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
-        const int64_t kv_end = ctx_len(c, tk->b) + tk->t1;
-        for (int64_t h = 0; h < c->kv->hk; h++) prefetch_task_kv(c->kv, bt_row, h, kv_end);
         for (int32_t h = 0; h < c->kv->hk; h++) {
             const att_task one = {tk->b, h, tk->t0, tk->t1};
-            att_task_avx2(c, &one, 0);
+            att_task_avx2(c, &one, 1);
         }
     } else if (c->avx2)
         att_task_avx2(c, &c->tasks[task], 1);
@@ -1089,10 +1116,11 @@ void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
         for (int64_t t1 = qsl[s + 1] - qsl[s]; t1 > 0; t1 -= ATT_QTILE) {
             const int64_t t0 = t1 - ATT_QTILE > 0 ? t1 - ATT_QTILE : 0;
             /* NOTE: in a batch of several sequences, a decode token (not an att_rows tile) is
-             * one task for all its kv heads: a block's head slabs are adjacent in the cache, so
-             * the task's prefetch asks for runs of hk x 2 KB instead of 2 KB pieces (b16 decode
-             * at 256 tokens of context 553-575 -> 587-596 tok/s, b32 at 128 +1-3%, alternated
-             * builds).  Small batches keep a task a head so every thread gets work. */
+             * one task for all its kv heads: hk times fewer tasks, each reading adjacent head
+             * slabs of the same blocks (b16 decode at 256 tokens of context 553-575 -> 587-596
+             * tok/s, b32 at 128 +1-3%, alternated builds; with att_decode's rolling prefetch,
+             * a task a head still cost b16 -3 % and b32 -5-7 %).  Small batches keep a task a
+             * head so every thread gets work. */
             if (whole_decode && t1 - t0 == 1) {
                 tasks[n++] = (att_task){(int32_t)s, -1, (int32_t)t0, (int32_t)t1};
                 continue;
