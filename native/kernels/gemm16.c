@@ -359,7 +359,7 @@ INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, const int8_t *wb
             }
         } else { /* one row, quad rows as they lie: dword lane 2c + h = channel c's k pair h */
             __m256i e0 = _mm256_setzero_si256(), e1 = e0, e2 = e0, e3 = e0;
-#pragma GCC unroll 8
+#pragma GCC unroll 4
             for (int r = 0; r < GK / 4; r++) {
                 _mm_prefetch((const char *)w + r * 64 + PF_DIST, _MM_HINT_T0);
                 int64_t pv; /* activations k 4r .. 4r + 3: the pairs alternate along the lanes */
@@ -430,14 +430,24 @@ AVX2_FN static void avx2_pair_block(const gemm_ctx *c, int64_t blk, int8_t *wb) 
         if (i1 - i == 1) avx2_kernel(c, blk, wb, i, 1, RAW, PAIRS);                          \
     } while (0)
 
+/* NOTE: the single row's kernels live out of line and unroll 4, not 8: inlined into tile_avx2
+ * beside the row tiles, GCC kept 20-43 stack accesses inside the loop (the accumulators spilled);
+ * on its own it keeps them in registers (an L3-resident GEMV on one thread +5-15 %). */
+AVX2_FN __attribute__((noinline)) static void avx2_row(const gemm_ctx *c, int64_t blk,
+                                                       const int8_t *wb, int64_t i) {
+    avx2_kernel(c, blk, wb, i, 1, 0, 0);
+}
+
+AVX2_FN __attribute__((noinline)) static void avx2_row_dots(const gemm_ctx *c, int64_t blk,
+                                                            const int8_t *wb, int64_t i) {
+    avx2_kernel(c, blk, wb, i, 1, 1, 0);
+}
+
 AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
     int64_t i = i0;
     const int8_t *wb = c->packed + blk * c->G * GBYTES;
     if (i1 - i0 == 1) {
-        if (c->dots)
-            AVX2_TILES(1, 0);
-        else
-            AVX2_TILES(0, 0);
+        (c->dots ? avx2_row_dots : avx2_row)(c, blk, wb, i0);
         return;
     }
     int8_t *pairs = shmk_scratch(5, (size_t)(c->G * GBYTES));
