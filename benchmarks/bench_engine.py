@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from benchmarks.machine import describe, machine_info
 from shm_engine.engine.client import SyncMPClient
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.protocol import EngineCoreRequest
@@ -151,9 +152,11 @@ def main() -> int:
     width = max(map(len, results))
     for k, v in results.items():
         print(f"{k:<{width}}  {v:10.3f}")
+    machine = machine_info()
+    print(describe(machine))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"machine": machine, **results}, f, indent=2)
     return 0
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from benchmarks.machine import describe, machine_info
 from shm_engine.model import kernels
 
 # (name, n, k) for SmolLM2-135M: hidden 576, 9 q / 3 kv heads of 64, FFN 1536, vocab 49152.
@@ -145,11 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         kernels.set_num_threads(args.threads)
         torch.set_num_threads(args.threads)
-    print(
-        f"kernel path={kernels.get_path()} (best {kernels.best_path()}), "
-        f"threads ours={kernels.get_num_threads()} torch={torch.get_num_threads()}, "
-        f"torch {torch.__version__} cpu capability={torch.backends.cpu.get_cpu_capability()}"
-    )
+    print(describe(machine_info()))
     rows = gemm_rows(ms=args.m, ms_per_point=args.ms)
     print(format_table(rows))
     if args.json:

@@ -5,7 +5,10 @@
 - decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context (batch over the median step);
 - peak RSS of a fresh process that loads the default int8 model (KV cache excluded).
 
-    python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
+    python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8] [--gemm-ms 300]
+
+The JSON also records the machine (CPU, kernel path, threads): runs on different days may have
+run on different CPUs.
 """
 
 from __future__ import annotations
@@ -97,21 +100,31 @@ def main() -> int:
     ap.add_argument(
         "--kv-cache-dtype", default="fp16", choices=["fp16", "int8"], help="the int8 model's cache"
     )
+    ap.add_argument(
+        "--gemm-ms", type=float, default=300.0, help="GEMM table: timing budget a point, ms"
+    )
     args = ap.parse_args()
     steps = 8 if args.quick else 32
     repeats = 2 if args.quick else 5
 
     from benchmarks.bench_gemm import format_table, gemm_rows
+    from benchmarks.machine import describe, machine_info
     from shm_engine.model.int8_model import Int8Llama
     from shm_engine.model.loader import load_model
     from shm_engine.model.torch_model import TorchLlama
 
-    results: dict = {"peak_rss_mb": peak_rss_mb(), "kv_cache_dtype": args.kv_cache_dtype}
+    machine = machine_info()
+    print(describe(machine))
+    results: dict = {
+        "machine": machine,
+        "peak_rss_mb": peak_rss_mb(),
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     print(f"peak RSS holding the int8 model: {results['peak_rss_mb']:.0f} MB")
 
     # NOTE: not shorter in --quick: with ~7 ms windows our kernel measured about half its
     # standalone GOP/s next to torch's (whose OpenMP threads share the cores).
-    rows = gemm_rows(ms_per_point=300)
+    rows = gemm_rows(ms_per_point=args.gemm_ms)
     print(format_table(rows))
     results["gemm"] = [{k: r[k] for k in ("m", "n", "k", "name", "impl", "gops")} for r in rows]
 
