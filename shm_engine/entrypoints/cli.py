@@ -98,20 +98,28 @@ def cmd_chat(args) -> int:
             messages.append({"role": "assistant", "content": reply})
 
 
-def cmd_serve(args) -> int:
+def serve_config(args):
+    """The engine configuration ``shm-engine serve`` starts with."""
     from shm_engine.engine.config import EngineConfig
-    from shm_engine.entrypoints.openai_server import serve
 
-    config = EngineConfig(
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mib << 20,
         kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
     )
+
+
+def cmd_serve(args) -> int:
+    from shm_engine.entrypoints.openai_server import serve
+
+    config = serve_config(args)
     serve(
         config,
         host=args.host,
@@ -137,7 +145,10 @@ def cmd_bench(args) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from shm_engine.engine.config import EngineConfig
+
+    engine_defaults = EngineConfig()
     parser = argparse.ArgumentParser(prog="shm-engine", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for prompts, streaming to the terminal")
@@ -154,7 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model id in the API")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch")
+    s.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=engine_defaults.max_num_seqs,
+        help="largest running batch",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=engine_defaults.max_num_batched_tokens,
+        help="tokens a step (decodes + prefill chunks): smaller steps cut the decode stall a "
+        "long prompt causes, at some prefill throughput",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=engine_defaults.long_prefill_token_threshold,
+        help="largest prefill chunk of one request a step (0: the whole step budget)",
+    )
     s.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -167,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=["serve", "ipc"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -92,6 +92,21 @@ def test_without_chunked_prefill_a_long_prompt_waits_for_a_whole_budget():
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 100)]
 
 
+def test_long_prefill_threshold_caps_each_requests_chunk():
+    """Each prompt advances by at most the threshold a step, so several share the budget."""
+    s = make_scheduler(budget=128, block_size=16, long_prefill_token_threshold=48)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", list(range(1 + i * 100, 101 + i * 100))))
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [
+        ("r0", 48),
+        ("r1", 48),
+        ("r2", 32),
+    ]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
+
+
 def test_outputs_match_an_unbatched_reference():
     s = make_scheduler(budget=16, block_size=4)
     prompts = {f"r{i}": list(range(10 * i + 1, 10 * i + 1 + 5 + 3 * i)) for i in range(6)}

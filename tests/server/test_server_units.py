@@ -204,3 +204,22 @@ def test_serving_lifespan_freezes_the_startup_heap(monkeypatch) -> None:
             assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_serve_flags_reach_the_engine_config() -> None:
+    from shm_engine.engine.config import EngineConfig
+    from shm_engine.entrypoints.cli import build_parser, serve_config
+
+    argv = ["serve", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64"]
+    argv += ["--max-num-seqs", "8", "--kv-cache-mib", "64", "--no-prefix-caching"]
+    config = serve_config(build_parser().parse_args(argv))
+    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (256, 64)
+    assert (config.max_num_seqs, config.kv_cache_bytes) == (8, 64 << 20)
+    assert not config.enable_prefix_caching
+    default = serve_config(build_parser().parse_args(["serve"]))
+    engine = EngineConfig()
+    assert default.max_num_batched_tokens == engine.max_num_batched_tokens
+    assert default.long_prefill_token_threshold == engine.long_prefill_token_threshold
+    assert default.max_num_seqs == engine.max_num_seqs
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        serve_config(build_parser().parse_args(["serve", "--long-prefill-token-threshold", "-1"]))
