@@ -20,8 +20,9 @@
  *   int16 kernels widen (vpmovsxbw) quad rows as they lie, so each dword lane holds one
  *   channel's k pair, and multiply them (vpdpwssd / vpmaddwd; exact: no -32768 operands) by a
  *   broadcast of the row's four activations; a group's two lanes per channel are added in int32
- *   before the fold.  AVX2 rows in tiles of 2-3 instead rearrange each block into pair rows
- *   (16 channels x 2 k) once and broadcast activation pairs (avx2_pair_block).
+ *   before the fold (AVX2: one or two rows a pass, for calls of up to 4 rows).  Larger AVX2
+ *   calls instead rearrange each block into pair rows (16 channels x 2 k) once and broadcast
+ *   activation pairs to tiles of 3 rows (avx2_pair_block).
  *   Scales: fp16 [nb][G][16], one vcvtph2ps per block and group. */
 #include <immintrin.h>
 #include <math.h>
@@ -291,6 +292,11 @@ static void tile_portable(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1
 /* --- AVX2: MR (<= 3) rows x 16 channels (two ymm halves).  Accumulators are named variables:
  * with arrays GCC keeps the products on the stack. --- */
 #define AVX2_MR 3
+/* NOTE: up to this many rows read the quad rows as they lie, two rows a pass, instead of a
+ * pair-row copy of each block: decode b2 +40 %, b4 +35 % (medians of four alternated pairs; the
+ * copy had made b2 slower than b1).  From 8 rows the copy wins again (b8 -14 %): the 3-row
+ * tiles do fewer instructions a product and amortise it. */
+#define AVX2_QUAD_MAX_M 4
 
 INLINE AVX2_FN void avx2_store(const gemm_ctx *c, int64_t blk, int64_t i, __m256 f0, __m256 f1) {
     const int64_t j0 = blk * NB;
@@ -419,15 +425,16 @@ AVX2_FN static void avx2_pair_block(const gemm_ctx *c, int64_t blk, int8_t *wb) 
     }
 }
 
-/* NOTE: a single row reads the quad rows as they lie (lane-pair sums, four accumulators); from two
- * rows the block is rearranged into pair rows once and every row tile reads those: shuffling quad
- * rows in the loop cost batch-8 and batch-16 decode 14-20% on this path, batch 1 ~4%. */
-#define AVX2_TILES(RAW, PAIRS)                                                                \
+/* NOTE: up to AVX2_QUAD_MAX_M rows read the quad rows as they lie (lane-pair sums, four
+ * accumulators a row); from more the block is rearranged into pair rows once and every 3-row tile
+ * reads those: shuffling quad rows in the loop cost batch-8 and batch-16 decode 14-20% on this
+ * path, batch 1 ~4%. */
+#define AVX2_TILES(RAW)                                                                       \
     do {                                                                                      \
         for (; i + AVX2_MR <= i1; i += AVX2_MR)                                               \
-            avx2_kernel(c, blk, wb, i, AVX2_MR, RAW, PAIRS);                                  \
-        if (i1 - i == 2) avx2_kernel(c, blk, wb, i, 2, RAW, PAIRS);                          \
-        if (i1 - i == 1) avx2_kernel(c, blk, wb, i, 1, RAW, PAIRS);                          \
+            avx2_kernel(c, blk, wb, i, AVX2_MR, RAW, 1);                                      \
+        if (i1 - i == 2) avx2_kernel(c, blk, wb, i, 2, RAW, 1);                              \
+        if (i1 - i == 1) avx2_kernel(c, blk, wb, i, 1, RAW, 1);                              \
     } while (0)
 
 /* NOTE: the single row's kernels live out of line and unroll 4, not 8: inlined into tile_avx2
@@ -443,20 +450,93 @@ AVX2_FN __attribute__((noinline)) static void avx2_row_dots(const gemm_ctx *c, i
     avx2_kernel(c, blk, wb, i, 1, 1, 0);
 }
 
+/* Two rows from the quad rows as they lie (no pair-row copy of the block): each widened weight
+ * quad feeds both rows.  The fp32 sums live in memory between groups so that the loop's eight
+ * accumulators, two broadcasts and the weight stay in registers. */
+INLINE AVX2_FN void avx2_rows2_kernel(const gemm_ctx *c, int64_t blk, const int8_t *wb,
+                                      int64_t i0, const int raw) {
+    const int16_t *x0 = c->xq + i0 * c->kp, *x1 = x0 + c->kp;
+    float f[2][NB] __attribute__((aligned(32))) = {{0}};
+    for (int64_t g = 0; g < c->G; g++) {
+        const int8_t *w = wb + g * GBYTES;
+        const int16_t *xa = x0 + g * GK, *xb = x1 + g * GK;
+        __m256i e0 = _mm256_setzero_si256(), e1 = e0, e2 = e0, e3 = e0;
+        __m256i h0 = e0, h1 = e0, h2 = e0, h3 = e0;
+#pragma GCC unroll 2
+        for (int r = 0; r < GK / 4; r++) {
+            _mm_prefetch((const char *)w + r * 64 + PF_DIST, _MM_HINT_T0);
+            int64_t pa, pb; /* activations k 4r .. 4r + 3: the pairs alternate along the lanes */
+            memcpy(&pa, xa + 4 * r, 8);
+            memcpy(&pb, xb + 4 * r, 8);
+            const __m256i va = _mm256_set1_epi64x(pa), vb = _mm256_set1_epi64x(pb);
+            const __m128i *q = (const __m128i *)(w + r * 64); /* 4 channels x 4 k each */
+#define AVX2_QUAD2(e, h, i)                                                                  \
+    do {                                                                                     \
+        const __m256i wq_ = _mm256_cvtepi8_epi16(_mm_loadu_si128(q + (i)));                  \
+        e = _mm256_add_epi32(e, _mm256_madd_epi16(va, wq_));                                 \
+        h = _mm256_add_epi32(h, _mm256_madd_epi16(vb, wq_));                                 \
+    } while (0)
+            AVX2_QUAD2(e0, h0, 0);
+            AVX2_QUAD2(e1, h1, 1);
+            AVX2_QUAD2(e2, h2, 2);
+            AVX2_QUAD2(e3, h3, 3);
+#undef AVX2_QUAD2
+        }
+        /* per channel, k pair 0 + k pair 1 (exact): hadd gives channels 0 1 4 5 | 2 3 6 7 */
+        const __m256i d[2][2] = {
+            {_mm256_permute4x64_epi64(_mm256_hadd_epi32(e0, e1), 0xD8),
+             _mm256_permute4x64_epi64(_mm256_hadd_epi32(e2, e3), 0xD8)},
+            {_mm256_permute4x64_epi64(_mm256_hadd_epi32(h0, h1), 0xD8),
+             _mm256_permute4x64_epi64(_mm256_hadd_epi32(h2, h3), 0xD8)}};
+        if (raw) {
+            for (int r = 0; r < 2; r++) {
+                int32_t t[NB];
+                _mm256_storeu_si256((__m256i *)t, d[r][0]);
+                _mm256_storeu_si256((__m256i *)(t + 8), d[r][1]);
+                store_dots(c, i0 + r, blk, g, t);
+            }
+            continue;
+        }
+        const uint16_t *sp = c->scales + (blk * c->G + g) * NB;
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
+        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 8)));
+        for (int r = 0; r < 2; r++) {
+            _mm256_store_ps(f[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][0]), s0,
+                                                  _mm256_load_ps(f[r])));
+            _mm256_store_ps(f[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][1]), s1,
+                                                      _mm256_load_ps(f[r] + 8)));
+        }
+    }
+    if (raw) return;
+    for (int r = 0; r < 2; r++)
+        avx2_store(c, blk, i0 + r, _mm256_load_ps(f[r]), _mm256_load_ps(f[r] + 8));
+}
+
+AVX2_FN __attribute__((noinline)) static void avx2_rows2(const gemm_ctx *c, int64_t blk,
+                                                         const int8_t *wb, int64_t i) {
+    avx2_rows2_kernel(c, blk, wb, i, 0);
+}
+
+AVX2_FN __attribute__((noinline)) static void avx2_rows2_dots(const gemm_ctx *c, int64_t blk,
+                                                              const int8_t *wb, int64_t i) {
+    avx2_rows2_kernel(c, blk, wb, i, 1);
+}
+
 AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
     int64_t i = i0;
     const int8_t *wb = c->packed + blk * c->G * GBYTES;
-    if (i1 - i0 == 1) {
-        (c->dots ? avx2_row_dots : avx2_row)(c, blk, wb, i0);
+    if (i1 - i0 <= AVX2_QUAD_MAX_M) {
+        for (; i + 2 <= i1; i += 2) (c->dots ? avx2_rows2_dots : avx2_rows2)(c, blk, wb, i);
+        if (i < i1) (c->dots ? avx2_row_dots : avx2_row)(c, blk, wb, i);
         return;
     }
     int8_t *pairs = shmk_scratch(5, (size_t)(c->G * GBYTES));
     avx2_pair_block(c, blk, pairs);
     wb = pairs;
     if (c->dots)
-        AVX2_TILES(1, 1);
+        AVX2_TILES(1);
     else
-        AVX2_TILES(0, 1);
+        AVX2_TILES(0);
 }
 
 /* --- AVX512-VNNI: MR rows x NR blocks (16 channels each).  A quad row (16 channels x 4 k) is
