@@ -294,8 +294,8 @@ static void tile_portable(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1
 #define AVX2_MR 3
 /* NOTE: up to this many rows read the quad rows as they lie, two rows a pass, instead of a
  * pair-row copy of each block: decode b2 +40 %, b4 +35 % (medians of four alternated pairs; the
- * copy had made b2 slower than b1).  From 8 rows the copy wins again (b8 -14 %): the 3-row
- * tiles do fewer instructions a product and amortise it. */
+ * copy had made b2 slower than b1).  At 6-8 rows the 3-row tiles, copy included, are as fast or
+ * faster (b6 339 vs 302, b8 310 vs 304 tok/s) at the same instruction count. */
 #define AVX2_QUAD_MAX_M 4
 
 INLINE AVX2_FN void avx2_store(const gemm_ctx *c, int64_t blk, int64_t i, __m256 f0, __m256 f1) {
@@ -469,17 +469,22 @@ INLINE AVX2_FN void avx2_rows2_kernel(const gemm_ctx *c, int64_t blk, const int8
             memcpy(&pa, xa + 4 * r, 8);
             memcpy(&pb, xb + 4 * r, 8);
             const __m256i va = _mm256_set1_epi64x(pa), vb = _mm256_set1_epi64x(pb);
-            const __m128i *q = (const __m128i *)(w + r * 64); /* 4 channels x 4 k each */
-#define AVX2_QUAD2(e, h, i)                                                                  \
-    do {                                                                                     \
-        const __m256i wq_ = _mm256_cvtepi8_epi16(_mm_loadu_si128(q + (i)));                  \
-        e = _mm256_add_epi32(e, _mm256_madd_epi16(va, wq_));                                 \
-        h = _mm256_add_epi32(h, _mm256_madd_epi16(vb, wq_));                                 \
-    } while (0)
-            AVX2_QUAD2(e0, h0, 0);
-            AVX2_QUAD2(e1, h1, 1);
-            AVX2_QUAD2(e2, h2, 2);
-            AVX2_QUAD2(e3, h3, 3);
+            const int8_t *q = w + r * 64; /* four 16-byte chunks: 4 channels x 4 k each */
+            /* NOTE: in asm so that the eight accumulators stay put: from intrinsics GCC re-homed
+             * each sum through a register copy every iteration (+46 % instructions at 8 rows). */
+            __m256i wq, t0, t1;
+#define AVX2_QUAD2(OFF, E, H)                                                                \
+    "vpmovsxbw " #OFF "(%[q]), %[wq]\n\t"                                                    \
+    "vpmaddwd %[wq], %[va], %[t0]\n\t"                                                       \
+    "vpmaddwd %[wq], %[vb], %[t1]\n\t"                                                       \
+    "vpaddd %[t0], %[" #E "], %[" #E "]\n\t"                                                  \
+    "vpaddd %[t1], %[" #H "], %[" #H "]\n\t"
+            __asm__(AVX2_QUAD2(0, e0, h0) AVX2_QUAD2(16, e1, h1) AVX2_QUAD2(32, e2, h2)
+                        AVX2_QUAD2(48, e3, h3)
+                    : [e0] "+x"(e0), [e1] "+x"(e1), [e2] "+x"(e2), [e3] "+x"(e3),
+                      [h0] "+x"(h0), [h1] "+x"(h1), [h2] "+x"(h2), [h3] "+x"(h3),
+                      [wq] "=&x"(wq), [t0] "=&x"(t0), [t1] "=&x"(t1)
+                    : [q] "r"(q), [va] "x"(va), [vb] "x"(vb), "m"(*(const char(*)[64])q));
 #undef AVX2_QUAD2
         }
         /* per channel, k pair 0 + k pair 1 (exact): hadd gives channels 0 1 4 5 | 2 3 6 7 */
