@@ -23,6 +23,7 @@ def cpu_model() -> str:
 
 
 def machine_info() -> dict:
+    """The CPU, kernel path and thread counts of this process, for a benchmark's JSON."""
     return {
         "cpu": cpu_model(),
         "kernel_path": kernels.get_path(),

@@ -16,7 +16,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes (tests)
     max_num_seqs: int = 64
     # NOTE: a step's prefill chunk stalls every running decode for its duration; 256 tokens is
-    # ~0.3 s on a 2-core AVX2 machine, ~0.1 s with AMX. Against 512, bench serve c=16 there kept
+    # ~0.3 s on a 2-core AVX2 machine, ~0.1 s with AMX (by their prefill rates). Against 512, bench serve c=16 there kept
     # its throughput and cut TTFT p50 by 35-45 % and ITL p99 by 40 % (benchmarks/RESULTS.md).
     max_num_batched_tokens: int = 256
     max_model_len: int | None = None  # None: the model's context length

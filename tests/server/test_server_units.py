@@ -210,10 +210,10 @@ def test_serve_flags_reach_the_engine_config() -> None:
     from shm_engine.engine.config import EngineConfig
     from shm_engine.entrypoints.cli import build_parser, serve_config
 
-    argv = ["serve", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64"]
+    argv = ["serve", "--max-num-batched-tokens", "384", "--long-prefill-token-threshold", "64"]
     argv += ["--max-num-seqs", "8", "--kv-cache-mib", "64", "--no-prefix-caching"]
     config = serve_config(build_parser().parse_args(argv))
-    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (256, 64)
+    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (384, 64)
     assert (config.max_num_seqs, config.kv_cache_bytes) == (8, 64 << 20)
     assert not config.enable_prefix_caching
     default = serve_config(build_parser().parse_args(["serve"]))
