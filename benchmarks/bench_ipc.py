@@ -366,18 +366,23 @@ class Bench:
             end.send(time.perf_counter())
         end.close()
         ring_lat, stats = self.ctrl.recv()
+        import mmap
+        import secrets
+
+        import posix_ipc
         from shm_engine._ring_cffi import ffi, lib
 
-        from shm_engine.ipc import segment
-
-        name, mm = segment.create(4096)
+        name = "/shm_engine-bench-" + secrets.token_hex(8)
+        shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=4096)
+        mm = mmap.mmap(shm.fd, 4096)
+        shm.close_fd()
         buf = ffi.from_buffer(mm)
         p = ffi.cast("uint8_t *", buf)
         lib.ring_bench_sem_init(p)
         t0s = ffi.cast("double *", p + 64)
         self.ctrl.send(("wake", "sem", {"n": n, "shm": name}))
         assert self.ctrl.recv() == "ready"
-        segment.unlink(name)
+        shm.unlink()
         for _ in range(n):
             time.sleep(gap)
             t0s[0] = time.perf_counter()

@@ -187,8 +187,6 @@ void ring_set_spin(ring_t *r, uint64_t min_ns, uint64_t max_ns)
     r->spin_ns = max_ns;
 }
 
-uint64_t ring_capacity(ring_t *r) { return r->cap; }
-
 /* ---- counters and wake-ups -------------------------------------------------------------- */
 
 static inline int prod_refresh_tail(ring_t *r)
@@ -295,7 +293,7 @@ static void adapt_spin(ring_t *r, uint64_t waited, int parked)
     }
     if (waited < 2 * r->spin_max) {
         /* The peer answered soon after we gave up spinning: a longer spin would have won. */
-        uint64_t s = r->spin_ns * 2;
+        uint64_t s = r->spin_ns < 500 ? 1000 : r->spin_ns * 2; /* from 0 too (spin_min 0) */
         r->spin_ns = s > r->spin_max ? r->spin_max : s;
     } else {
         /* A real idle gap: spinning only burned CPU the engine could use. */
@@ -421,6 +419,21 @@ int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint6
     if (atomic_load_explicit(&r->h->prod_closed, memory_order_relaxed) ||
         atomic_load_explicit(&r->h->cons_closed, memory_order_acquire))
         return RING_ECLOSED;
+    if (r->w_msg || r->w_mid) {
+        /* NOTE: resuming.  Only the call that left the cursor may resume it (channel.py settles
+         * the cursor whenever a write ends early), but the offsets are re-derived from this
+         * call's own arrays, so even a wrong resume never reads outside them. */
+        if (r->w_msg >= nmsgs)
+            return RING_EINVAL;
+        uint64_t f0 = 0, boff = 0;
+        for (uint32_t m = 0; m < r->w_msg; m++)
+            f0 += nframes ? nframes[m] : 1;
+        if (!ptrs)
+            for (uint64_t i = 0; i < f0; i++)
+                boff += lens[i];
+        r->w_frame0 = (uint32_t)f0;
+        r->w_blob = boff;
+    }
     set_deadline(r, slice_ns);
     const uint64_t batch_pub = r->cap / 8 < 65536 ? r->cap / 8 : 65536;
     int rc;
@@ -475,8 +488,12 @@ int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint6
         }
         /* Large message: fragments of <= cap/4, each published as soon as it is written so the
          * consumer copies one while we fill the next.  Resumable after RING_EAGAIN. */
+        if (r->w_frame >= nf)
+            return RING_EINVAL; /* a resume with fewer frames than the call that started it */
         while (r->w_frame < nf) {
             uint64_t len = lens[f0 + r->w_frame];
+            if (r->w_off > len)
+                return RING_EINVAL; /* a resume with a shorter frame: never read before src */
             uint64_t boff = r->w_blob;
             if (!ptrs)
                 for (uint32_t i = 0; i < r->w_frame; i++)
@@ -661,12 +678,6 @@ void ring_close(ring_t *r)
         sem_post(&h->data_sem.s);
     if (atomic_exchange_explicit(&h->prod_waiting, 0, memory_order_relaxed))
         sem_post(&h->space_sem.s);
-}
-
-int ring_peer_closed(ring_t *r)
-{
-    _Atomic uint32_t *f = r->role == RING_ROLE_PRODUCER ? &r->h->cons_closed : &r->h->prod_closed;
-    return atomic_load_explicit(f, memory_order_acquire) != 0;
 }
 
 int ring_corrupt_detail(ring_t *r) { return r->corrupt; }

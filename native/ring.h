@@ -66,10 +66,8 @@ int ring_read_batch(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t vie
 void ring_release(ring_t *r);
 
 void ring_close(ring_t *r);
-int ring_peer_closed(ring_t *r);
 int ring_corrupt_detail(ring_t *r);
 void ring_stats(ring_t *r, uint64_t *out, uint32_t n);
-uint64_t ring_capacity(ring_t *r);
 
 /* Bare semaphore helpers: the benchmark's reference wake-up (same sem_t kind as the ring's). */
 int ring_bench_sem_init(uint8_t *p);

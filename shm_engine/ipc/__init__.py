@@ -9,7 +9,6 @@ from .errors import (
     ChannelClosedError,
     IPCError,
     MalformedMessage,
-    MessageTooLargeError,
     PeerDeadError,
     RingCorruptError,
 )
@@ -24,7 +23,6 @@ __all__ = [
     "Encoder",
     "IPCError",
     "MalformedMessage",
-    "MessageTooLargeError",
     "PeerDeadError",
     "RingCorruptError",
     "channel_pair",

@@ -83,9 +83,29 @@ def init_segment(mm: mmap.mmap, capacity: int) -> None:
         ffi.release(buf)
 
 
-def _broken_send(slice_ns: int, spin: int) -> int:
+# A write: call(slice_ns, spin, nmsgs) -> rc, a closure over the arrays it keeps alive; the C
+# write cursor resumes it after RING_EAGAIN.  ``nmsgs`` may be lower than the batch's length: a
+# pending write stops after the fragmented message it left part published.
+WriteCall = Callable[[int, int, int], int]
+
+
+def _broken_send(slice_ns: int, spin: int, nmsgs: int) -> int:
     """Stands in for the pending write once a fragmented message was cut off by an error."""
     raise IPCError("the send side is unusable: a fragmented message was interrupted by an error")
+
+
+def _send_timeout(sent: int, nmsgs: int, mid: bool) -> TimeoutError:
+    """TimeoutError whose ``sent`` counts the messages that are or will be delivered."""
+    if mid:
+        err = TimeoutError(
+            f"send timed out inside a fragmented message ({sent} of {nmsgs} messages sent, "
+            "the last in part: the next send or flush completes it)"
+        )
+        sent += 1
+    else:
+        err = TimeoutError(f"send timed out ({sent} of {nmsgs} messages sent)")
+    err.sent = sent  # type: ignore[attr-defined]
+    return err
 
 
 class _Ring:
@@ -154,7 +174,8 @@ class Channel:
         self._encode_into = self._enc._enc.encode_into
         self._closed = False
         self._peer_dead = False
-        self._pending: Callable[[int, int], int] | None = None
+        self._pending: tuple[WriteCall, int] | None = None  # a write to finish first, and its nmsgs
+        self._mid = ffi.new("int *")
         self._partial: tuple[list[Buffer], bytearray] | None = None
         self._out_n = 0
         self._grow_out(4096)
@@ -200,75 +221,86 @@ class Channel:
         return min(self._slice_ns, max(0, int(timeout * 1e9)))
 
     # ---- sending ------------------------------------------------------------------------
+    # NOTE: the C write cursor belongs to one write call at a time.  Whatever ends a write early
+    # (an error, a timeout, or an exception a signal handler raises as the C call returns) goes
+    # through _settle, which keeps the call pending if part of a fragmented message is already
+    # published, or else resets the cursor: no later call resumes it with other arrays.
 
-    def _drive(self, call: Callable[[int, int], int], nmsgs: int, timeout: float | None) -> None:
-        """Keep calling a resumable C write in slices until done, checking liveness between."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                self._check_alive(self._tx)
-            except IPCError:
-                self._abandon_write()
-                raise
-            slice_ns = self._slice_ns
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    mid = ffi.new("int *")
-                    sent = lib.ring_write_progress(self._tx.r, mid)
-                    if mid[0]:
-                        self._pending = call
-                        raise TimeoutError(
-                            f"send timed out inside a fragmented message ({sent} of {nmsgs} "
-                            "sent); the next send completes it first"
-                        )
-                    lib.ring_write_abort(self._tx.r)
-                    self._pending = None
-                    err = TimeoutError(f"send timed out ({sent} of {nmsgs} messages sent)")
-                    err.sent = sent  # type: ignore[attr-defined]
-                    raise err
-                slice_ns = min(slice_ns, int(left * 1e9) + 1)
-            rc = call(slice_ns, 0)
-            if rc == 0:
-                self._pending = None
-                return
-            if rc != _EAGAIN:
-                self._abandon_write()
-                self._raise(rc, self._tx)
+    def _settle(self, call: WriteCall, broken: bool) -> int:
+        """Leave the cursor in a state the next send can trust; returns the messages sent."""
+        mid = self._mid
+        sent = lib.ring_write_progress(self._txr, mid)
+        if mid[0] and not broken:
+            self._pending = (call, sent + 1)  # finish that message, nothing after it
+        else:
+            lib.ring_write_abort(self._txr)
+            # After an error the consumer holds the head of a message whose rest never comes.
+            self._pending = (_broken_send, 1) if mid[0] else None
+        return sent
 
-    def _abandon_write(self) -> None:
-        """Reset the C write cursor after an error, so no later call resumes with other arrays.
+    def _deadline_slice(self, deadline: float | None) -> int:
+        if deadline is None:
+            return self._slice_ns
+        return min(self._slice_ns, max(0, int((deadline - time.monotonic()) * 1e9) + 1))
 
-        If part of a fragmented message was already published the stream cannot be continued:
-        later sends raise instead of interleaving a new message into the fragments.
+    def _drive(
+        self, call: WriteCall, nmsgs: int, deadline: float | None, rc: int | None = None
+    ) -> None:
+        """Run a write to completion in wait slices, checking liveness and the deadline between.
+
+        ``rc`` is the result of a first attempt a fast path already made.
         """
-        mid = ffi.new("int *")
-        lib.ring_write_progress(self._txr, mid)
-        lib.ring_write_abort(self._txr)
-        self._pending = _broken_send if mid[0] else None
+        spin = 1
+        try:
+            while True:
+                if rc is None:
+                    rc = call(self._deadline_slice(deadline), spin, nmsgs)
+                    spin = 0
+                if rc == 0:
+                    self._pending = None
+                    return
+                if rc != _EAGAIN:
+                    self._settle(call, broken=True)
+                    self._raise(rc, self._tx)
+                rc = None
+                try:
+                    self._check_alive(self._tx)
+                except IPCError:
+                    self._settle(call, broken=True)
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    sent = self._settle(call, broken=False)
+                    raise _send_timeout(sent, nmsgs, self._pending is not None)
+        except (IPCError, TimeoutError):
+            raise  # settled above
+        except BaseException:
+            self._settle(call, broken=False)
+            raise
+
+    def _finish_pending(self, deadline: float | None) -> None:
+        """Complete the fragmented message an earlier send left part written."""
+        assert self._pending is not None
+        call, nmsgs = self._pending
+        try:
+            self._drive(call, nmsgs, deadline)
+        except TimeoutError:
+            err = TimeoutError("send timed out finishing a fragmented message of an earlier send")
+            err.sent = 0  # type: ignore[attr-defined]
+            raise err from None
 
     def _write(
-        self,
-        call: Callable[[int, int], int],
-        nmsgs: int,
-        timeout: float | None,
-        rc: int | None = None,
+        self, call: WriteCall, nmsgs: int, timeout: float | None, rc: int | None = None
     ) -> None:
         """Run a write; ``rc`` is the result of a first attempt a fast path already made."""
-        if rc is None:
-            if self._closed:
-                raise ChannelClosedError("channel closed locally")
-            if self._pending is not None:
-                self._drive(self._pending, 0, timeout)
-            rc = call(self._slice(timeout), 1)
-        if rc == 0:
-            return
-        if rc != _EAGAIN:
-            self._abandon_write()
-            self._raise(rc, self._tx)
-        if timeout is not None:
-            timeout = max(0.0, timeout - self._slice(timeout) / 1e9)
-        self._drive(call, nmsgs, timeout)
+        if rc is not None:
+            if timeout is not None:  # that attempt may have waited up to one slice
+                timeout = max(0.0, timeout - self._slice(timeout) / 1e9)
+        elif self._closed:
+            raise ChannelClosedError("channel closed locally")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if rc is None and self._pending is not None:
+            self._finish_pending(deadline)
+        self._drive(call, nmsgs, deadline, rc)
 
     def _write_frames(self, msgs: Sequence[Sequence[Buffer]], timeout: float | None) -> None:
         """General path: any number of messages of any number of frames."""
@@ -276,7 +308,8 @@ class Channel:
         total = sum(nframes)
         if any(n == 0 for n in nframes):
             raise ValueError("a message needs at least one frame")
-        if len(msgs) == 1 and total <= self._ptrs_n:
+        # NOTE: a pending write may still point into the reused arrays: then take fresh ones.
+        if len(msgs) == 1 and total <= self._ptrs_n and self._pending is None:
             ptrs, lens, nfr = self._ptrs, self._lens, self._nfr
             nfr[0] = total
         else:
@@ -293,19 +326,19 @@ class Channel:
                 lens[i] = len(cd)
                 i += 1
         tx = self._tx.r
-        n = len(msgs)
 
-        def call(slice_ns: int, spin: int) -> int:
+        def call(slice_ns: int, spin: int, nmsgs: int) -> int:
             keep  # noqa: B018  (keeps the buffers alive while a pending write may resume)
-            return lib.ring_write(tx, ffi.NULL, ptrs, lens, nfr, n, slice_ns, spin)
+            return lib.ring_write(tx, ffi.NULL, ptrs, lens, nfr, nmsgs, slice_ns, spin)
 
-        self._write(call, n, timeout)
+        self._write(call, len(msgs), timeout)
 
     def send(self, obj: Any, timeout: float | None = None) -> None:
         """Encode and send one message; blocks while the ring is full (backpressure)."""
         aux: list[Any] = []
         self._enc._aux = aux
         body = self._encode_body(obj)
+        self._enc._aux = None  # the arrays must not outlive the send
         if aux:
             self._write_frames([[body, *aux]], timeout)
         else:
@@ -316,12 +349,16 @@ class Channel:
         n = len(body)
         if self._pending is None:
             sl = self._slice_ns if timeout is None else self._slice(timeout)
-            rc = _write1(tx, body, n, sl, 1)
+            try:
+                rc = _write1(tx, body, n, sl, 1)
+            except BaseException:  # a signal handler's exception as the call returned
+                self._settle(lambda s, sp, nm: _write1(tx, body, n, s, sp), broken=False)
+                raise
             if rc == 0:
                 return
-            self._write(lambda s, sp: _write1(tx, body, n, s, sp), 1, timeout, rc)
+            self._write(lambda s, sp, nm: _write1(tx, body, n, s, sp), 1, timeout, rc)
         else:
-            self._write(lambda s, sp: _write1(tx, body, n, s, sp), 1, timeout)
+            self._write(lambda s, sp, nm: _write1(tx, body, n, s, sp), 1, timeout)
 
     def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
         """Send a batch with one C call (one head publish, at most one wake-up)."""
@@ -332,6 +369,7 @@ class Channel:
         aux: list[Any] = []
         enc._aux = aux
         first = self._encode_body(objs[0])
+        enc._aux = None
         if aux or len(first) > 4096:
             # Arrays or big bodies: one frame list per message, no concatenation copy.
             msgs = [[first, *aux]]
@@ -342,10 +380,12 @@ class Channel:
         buf = bytearray(first)
         lens = array("Q", [len(first)])
         into = self._encode_into
+        enc._aux = aux
         for obj in objs[1:]:
             start = len(buf)
             into(obj, buf, -1)
             lens.append(len(buf) - start)
+        enc._aux = None
         if aux:  # a later message carried arrays: redo the batch with frame lists
             self._write_frames([enc.encode(o) for o in objs], timeout)
             return
@@ -356,12 +396,11 @@ class Channel:
         cbuf = ffi.from_buffer(buf)
         clens = ffi.from_buffer("uint64_t[]", lens)
         tx = self._tx.r
-        n = len(lens)
 
-        def call(slice_ns: int, spin: int) -> int:
-            return lib.ring_write(tx, cbuf, ffi.NULL, clens, ffi.NULL, n, slice_ns, spin)
+        def call(slice_ns: int, spin: int, nmsgs: int) -> int:
+            return lib.ring_write(tx, cbuf, ffi.NULL, clens, ffi.NULL, nmsgs, slice_ns, spin)
 
-        self._write(call, n, timeout)
+        self._write(call, len(lens), timeout)
 
     def has_pending_send(self) -> bool:
         """True when a timed-out send left a large message part written (see ``flush``)."""
@@ -376,7 +415,7 @@ class Channel:
         if self._closed:
             raise ChannelClosedError("channel closed locally")
         if self._pending is not None:
-            self._drive(self._pending, 0, timeout)
+            self._finish_pending(None if timeout is None else time.monotonic() + timeout)
 
     def send_bytes(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
         """Send one message made of raw frames (no codec)."""
@@ -464,8 +503,11 @@ class Channel:
                 return frames
             try:
                 n = self._read(1, timeout)
-            except TimeoutError:
-                self._partial = (frames, buf)  # resumed by the next receive call
+            except BaseException:
+                # Resumed by the next receive call (after a timeout, or an exception a signal
+                # handler raised while the read waited): the next fragment is not the start of a
+                # message.
+                self._partial = (frames, buf)
                 raise
             vals = self._outmv[: 2 * n].tolist()
 
@@ -542,7 +584,8 @@ class Channel:
         else:
             n = self._read(0xFFFFFFFF, timeout, n)
         if not self._zero_copy:
-            return [self._decode(m) for m in self._copy_out(self._collect(n, timeout))]
+            dec = self._decode
+            return [_decode_or_mark(dec, m) for m in self._copy_out(self._collect(n, timeout))]
         if self._partial is not None:
             return [self._decode(self._collect(n, timeout)[0])]
         vals = self._outmv[: 2 * n].tolist()

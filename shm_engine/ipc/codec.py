@@ -79,14 +79,6 @@ class Encoder:
             self._aux = None
         return [body, *aux] if aux else [body]
 
-    def encode_into(self, obj: Any, buf: bytearray, aux: list[Any]) -> None:
-        """Append the body to ``buf`` and the aux frames to ``aux`` (batch path of send_many)."""
-        self._aux = aux
-        try:
-            self._enc.encode_into(obj, buf, -1)
-        finally:
-            self._aux = None
-
     def _array_ext(self, arr: np.ndarray, code: int, dtype_code: int) -> msgspec.msgpack.Ext:
         ndim = arr.ndim
         if arr.nbytes <= self.inline_max:
@@ -111,7 +103,9 @@ class Encoder:
                 if obj.dtype.kind not in "biufc" or obj.ndim > 32:
                     raise TypeError(f"unsupported array {obj.dtype} ndim={obj.ndim}")
                 obj = obj.astype(obj.dtype.newbyteorder("<"))
-                dc = _CODE_OF[obj.dtype]
+                dc = _CODE_OF.get(obj.dtype)
+                if dc is None:  # e.g. longdouble
+                    raise TypeError(f"unsupported array dtype {obj.dtype}")
             return self._array_ext(obj, EXT_NUMPY, dc)
         if isinstance(obj, np.generic):
             return obj.item()
@@ -182,7 +176,10 @@ class Decoder:
             if self._copy:
                 arr = arr.copy()
         if ndim != 1:
-            arr = arr.reshape(shape)
+            try:
+                arr = arr.reshape(shape)
+            except ValueError as e:  # e.g. an empty array with absurd dimensions
+                raise msgspec.DecodeError(f"bad array shape: {e}") from None
         if code == EXT_NUMPY:
             if dc == _BF16:
                 raise msgspec.DecodeError("bfloat16 needs a torch ext")

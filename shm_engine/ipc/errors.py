@@ -19,10 +19,6 @@ class ChannelClosedError(IPCError):
     """The channel was closed (by the peer after everything it sent was drained, or locally)."""
 
 
-class MessageTooLargeError(IPCError):
-    """Never raised by the ring (it fragments without limit); kept for API completeness."""
-
-
 @dataclass(frozen=True)
 class MalformedMessage:
     """Stands in ``Channel.recv_all``'s result for a message that failed to decode."""

@@ -1,13 +1,15 @@
 """Connection set-up over an abstract-namespace Unix socket that then serves as the liveness link.
 
-Listener (creates): HELLO <- ; SETUP(segment name, capacity) -> ; ATTACHED <- ; unlink ; READY ->.
-The connector unlinks the name too, right after mapping it, so the name lives in /dev/shm only
-for the few hundred microseconds of the handshake.  The connected socket then stays open inside
-each Channel: a hang-up means the peer died (the kernel closes it on any exit, SIGKILL included).
+Listener (creates): HELLO <- ; SETUP(capacity, size) + the segment's descriptor -> ; ATTACHED <- ;
+READY ->.  The segment's name is unlinked as soon as it is created (segment.create), so nothing
+is ever left in /dev/shm.  The connected socket then stays open inside each Channel: a hang-up
+means the peer died (the kernel closes it on any exit, SIGKILL included).
 """
 
 from __future__ import annotations
 
+import array
+import logging
 import os
 import secrets
 import socket
@@ -21,9 +23,12 @@ from . import segment
 from .channel import DEFAULT_CAPACITY, Channel, check_capacity, init_segment, region_size
 from .errors import IPCError, PeerDeadError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _LEN = struct.Struct("<I")
 _MAX_HANDSHAKE_MSG = 1 << 16
+_FD_SIZE = array.array("i").itemsize
+
+logger = logging.getLogger(__name__)
 
 
 class _Hello(msgspec.Struct, tag="hello"):
@@ -32,8 +37,9 @@ class _Hello(msgspec.Struct, tag="hello"):
 
 
 class _Setup(msgspec.Struct, tag="setup"):
+    """Travels with the segment's file descriptor as SCM_RIGHTS ancillary data."""
+
     version: int
-    shm: str
     capacity: int
     size: int
 
@@ -64,24 +70,45 @@ def _left(deadline: float | None) -> float | None:
     return left
 
 
-def _send_msg(sock: socket.socket, msg: Any) -> None:
-    data = _enc.encode(msg)
-    sock.sendall(_LEN.pack(len(data)) + data)
+def _send_msg(sock: socket.socket, msg: Any, fd: int | None = None) -> None:
+    body = _enc.encode(msg)
+    data = _LEN.pack(len(body)) + body
+    if fd is None:
+        sock.sendall(data)
+        return
+    # The descriptor rides on the message's first bytes; a unix stream socket takes a message
+    # this small in one sendmsg.
+    if socket.send_fds(sock, [data], [fd]) != len(data):
+        raise IPCError("handshake: short write of the setup message")
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+def _recv_exact(
+    sock: socket.socket, n: int, deadline: float | None, fds: list[int] | None = None
+) -> bytes:
+    """Read n bytes; with ``fds``, also collect descriptors sent along (close-on-exec)."""
     buf = bytearray()
     while len(buf) < n:
         sock.settimeout(_left(deadline))
-        chunk = sock.recv(n - len(buf))
+        if fds is None:
+            chunk = sock.recv(n - len(buf))
+        else:
+            chunk, anc, _flags, _addr = sock.recvmsg(
+                n - len(buf), socket.CMSG_SPACE(_FD_SIZE), socket.MSG_CMSG_CLOEXEC
+            )
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(data) - len(data) % _FD_SIZE
+                    fds.extend(array.array("i", data[:usable]))
         if not chunk:
             raise PeerDeadError("peer hung up during the handshake")
         buf += chunk
     return bytes(buf)
 
 
-def _recv_msg(sock: socket.socket, expect: type, deadline: float | None) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+def _recv_msg(
+    sock: socket.socket, expect: type, deadline: float | None, fds: list[int] | None = None
+) -> Any:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline, fds))
     if n > _MAX_HANDSHAKE_MSG:
         raise IPCError("handshake message too large")
     try:
@@ -100,6 +127,24 @@ def _check_peer_uid(sock: socket.socket) -> int:
     if uid != os.getuid():
         raise PermissionError(f"peer pid {pid} runs as uid {uid}, not {os.getuid()}")
     return pid
+
+
+def _accept_own_user(lsock: socket.socket, timeout: float | None) -> socket.socket:
+    """Accept the next connection from a process of our user; others are dropped.
+
+    Abstract socket names are visible in /proc/net/unix, so another user could connect: that
+    must not abort the listener's wait for its real peer.
+    """
+    deadline = _deadline(timeout)
+    while True:
+        lsock.settimeout(timeout if deadline is None else max(0.0, deadline - time.monotonic()))
+        conn, _ = lsock.accept()
+        try:
+            _check_peer_uid(conn)
+            return conn
+        except PermissionError as e:
+            logger.warning("handshake: dropped a connection: %s", e)
+            conn.close()
 
 
 HANDSHAKE_TIMEOUT = 30.0  # seconds for the exchange after a peer connected
@@ -129,23 +174,24 @@ class ChannelListener:
     ) -> Channel:
         """Wait for one peer, create the rings, hand them over, unlink their name, return the channel."""
         check_capacity(capacity)
-        self._sock.settimeout(timeout)
-        conn, _ = self._sock.accept()
+        conn = _accept_own_user(self._sock, timeout)
         # NOTE: ``timeout`` bounds the wait for a peer; once one connected, the exchange gets its
         # own deadline, so a caller polling accept() in short slices never unlinks the segment
         # under a peer that is still attaching.
         deadline = _deadline(HANDSHAKE_TIMEOUT)
         try:
-            _check_peer_uid(conn)
-            _recv_msg(conn, _Hello, deadline)
+            hello = _recv_msg(conn, _Hello, deadline)
+            if hello.version != PROTOCOL_VERSION:
+                raise IPCError(f"peer speaks protocol {hello.version}, not {PROTOCOL_VERSION}")
             size = 2 * region_size(capacity)
-            name, mm = segment.create(size)
+            fd = segment.create(size)
             try:
+                mm = segment.map_fd(fd, size)
                 init_segment(mm, capacity)
-                _send_msg(conn, _Setup(PROTOCOL_VERSION, name, capacity, size))
-                _recv_msg(conn, _Attached, deadline)
+                _send_msg(conn, _Setup(PROTOCOL_VERSION, capacity, size), fd)
             finally:
-                segment.unlink(name)
+                os.close(fd)
+            _recv_msg(conn, _Attached, deadline)
             ch = Channel(mm, 0, region_size(capacity), capacity, conn, recv_type, **channel_opts)
             _send_msg(conn, _Ready())
             conn.settimeout(None)
@@ -175,16 +221,20 @@ def connect(
         sock.connect("\0" + address)
         _check_peer_uid(sock)
         _send_msg(sock, _Hello(PROTOCOL_VERSION, os.getpid()))
-        setup = _recv_msg(sock, _Setup, deadline)
-        if setup.version != PROTOCOL_VERSION:
-            raise IPCError(f"protocol version {setup.version} != {PROTOCOL_VERSION}")
-        check_capacity(setup.capacity)
-        if setup.size != 2 * region_size(setup.capacity):
-            raise IPCError("segment size does not match the capacity")
+        fds: list[int] = []
         try:
-            mm = segment.open_existing(setup.shm, setup.size)
+            setup = _recv_msg(sock, _Setup, deadline, fds)
+            if setup.version != PROTOCOL_VERSION:
+                raise IPCError(f"protocol version {setup.version} != {PROTOCOL_VERSION}")
+            check_capacity(setup.capacity)
+            if setup.size != 2 * region_size(setup.capacity):
+                raise IPCError("segment size does not match the capacity")
+            if len(fds) != 1:
+                raise IPCError(f"handshake: expected one segment descriptor, got {len(fds)}")
+            mm = segment.map_fd(fds[0], setup.size)
         finally:
-            segment.unlink(setup.shm)
+            for fd in fds:
+                os.close(fd)
         rsize = region_size(setup.capacity)
         ch = Channel(mm, rsize, 0, setup.capacity, sock, recv_type, **channel_opts)
         _send_msg(sock, _Attached())

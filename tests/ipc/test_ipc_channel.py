@@ -224,14 +224,23 @@ def test_segments_mode_0600_and_unlinked(created_names: list[str]) -> None:
             assert p.exitcode == 0
 
 
-def test_peer_with_other_uid_is_rejected() -> None:
+def test_peer_with_other_uid_is_dropped_and_the_listener_keeps_waiting() -> None:
     if os.getuid() != 0:
         pytest.fail("needs root to start a peer under another uid")
     with ChannelListener() as lst:
         p = _start(children.other_uid_connect, lst.address)
-        with pytest.raises(PermissionError):
-            lst.accept(timeout=30)
+        with pytest.raises(TimeoutError):  # the foreign peer got no channel
+            lst.accept(timeout=3)
         p.join(10)
+        p = _start(children.other_uid_connect, lst.address)
+        q = _start(children.echo, lst.address, {})
+        ch = lst.accept(timeout=30)  # our own user's peer still gets through
+        ch.send_bytes([b"hi"])
+        assert bytes(ch.recv_bytes(timeout=10)[0]) == b"hi"
+        ch.close()
+        p.join(10)
+        q.join(10)
+        assert q.exitcode == 0
 
 
 def test_close_semantics_and_timeouts() -> None:
@@ -302,7 +311,7 @@ def test_close_from_another_thread_wakes_blocked_calls() -> None:
 def test_fragmented_send_timeout_is_completed_by_the_next_send() -> None:
     a, b = channel_pair(4096)
     big = children.payload(5, 3 * 4096)
-    with pytest.raises(TimeoutError, match="next send completes it"):
+    with pytest.raises(TimeoutError, match="next send or flush completes it"):
         a.send_bytes([big], timeout=0.05)  # nobody reads: stuck after the first fragments
     got: list[bytes] = []
     t = threading.Thread(target=lambda: got.extend(bytes(b.recv_bytes(timeout=5)[0]) for _ in "xy"))
@@ -310,3 +319,109 @@ def test_fragmented_send_timeout_is_completed_by_the_next_send() -> None:
     a.send_bytes([b"next"], timeout=5)  # first finishes the big one, then sends its own
     t.join(10)
     assert got == [big, b"next"]
+
+
+class _Interrupt(BaseException):
+    """What a signal handler (KeyboardInterrupt, the engine's SystemExit) raises mid-call."""
+
+
+@pytest.fixture
+def alarm() -> Iterator[Any]:
+    """``alarm(seconds)``: raise _Interrupt in this (the main) thread after that long."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Interrupt()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _drain_frames(ch: Any, got: list) -> threading.Thread:
+    """Read whole messages (as lists of bytes) into ``got`` until a receive times out."""
+
+    def run() -> None:
+        try:
+            while True:
+                got.append([bytes(f) for f in ch.recv_bytes(timeout=1)])
+        except TimeoutError:
+            pass
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_pending_fragmented_send_keeps_its_own_frames() -> None:
+    # The pending write of a multi-frame message must not share the argument arrays the next
+    # multi-frame send fills (it used to be finished with the new message's pointers).
+    a, b = channel_pair(4096)
+    old = [b"H" * 16, children.payload(1, 3 * 4096)]
+    with pytest.raises(TimeoutError):
+        a.send_bytes(old, timeout=0.05)
+    got: list = []
+    t = _drain_frames(b, got)
+    new = [b"h" * 16, b"N" * 100]
+    a.send_bytes(new, timeout=5)
+    t.join(10)
+    assert got == [old, new]
+
+
+@pytest.mark.parametrize("kind", ["fragmented", "batch"])
+def test_a_send_interrupted_by_a_signal_handler_corrupts_nothing(alarm: Any, kind: str) -> None:
+    a, b = channel_pair(4096)
+    if kind == "fragmented":
+        first = [children.payload(2, 3 * 4096)]
+        alarm(0.2)
+        with pytest.raises(_Interrupt):
+            a.send_bytes(first)  # blocks after the first fragments: nobody reads
+        assert a.has_pending_send()  # the message is finished by the next send
+    else:
+        batch = [b"m%d" % i + b"." * 900 for i in range(10)]
+        alarm(0.2)
+        with pytest.raises(_Interrupt):
+            a.send_many(batch)  # four fit, then it blocks
+        assert not a.has_pending_send()  # the unsent tail is dropped, not resumed later
+    got: list = []
+    t = _drain_frames(b, got)
+    nxt = b"NEXT" * 1200  # also fragmented (> capacity / 2)
+    a.send_bytes([nxt], timeout=5)
+    a.send_bytes([b"tail"], timeout=5)
+    t.join(10)
+    if kind == "fragmented":
+        assert got == [first, [nxt], [b"tail"]]
+    else:  # msgpack bin 16 bodies: 3 header bytes, then the payload
+        assert [m[0][3:5] for m in got[:4]] == [b"m0", b"m1", b"m2", b"m3"]
+        assert got[4:] == [[nxt], [b"tail"]]
+
+
+def test_a_receive_interrupted_while_assembling_resumes_the_message(alarm: Any) -> None:
+    a, b = channel_pair(4096)
+    big = children.payload(3, 3 * 4096)
+    with pytest.raises(TimeoutError):
+        a.send_bytes([big], timeout=0.05)
+    alarm(0.2)
+    with pytest.raises(_Interrupt):
+        b.recv_bytes()  # copies the first fragments, then waits for the rest
+    sender = threading.Thread(target=lambda: (a.flush(timeout=5), a.send_bytes([b"next"])))
+    sender.start()
+    assert bytes(b.recv_bytes(timeout=5)[0]) == big  # not just its tail
+    assert bytes(b.recv_bytes(timeout=5)[0]) == b"next"
+    sender.join(5)
+
+
+def test_send_many_timeout_counts_what_will_arrive() -> None:
+    # A batch cut inside its fragmented first message: that message is completed by the next
+    # send (so it counts as sent) and nothing after it is.
+    a, b = channel_pair(4096)
+    big = b"B" * (3 * 4096 - 1000)
+    with pytest.raises(TimeoutError) as e:
+        a.send_many([big, b"old1", b"old2"], timeout=0.05)
+    assert e.value.sent == 1  # type: ignore[attr-defined]
+    got: list = []
+    t = threading.Thread(target=lambda: got.extend(b.recv(timeout=5) for _ in range(3)))
+    t.start()
+    a.send_many([b"new1", b"new2"], timeout=5)
+    t.join(10)
+    assert got == [big, b"new1", b"new2"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 import numpy as np
 import pytest
@@ -137,9 +139,12 @@ def test_recv_all_mixes_single_and_multi_frame_messages(zero_copy: bool) -> None
     assert [type(x) for x in b.recv_all(timeout=5)] == [type(m) for m in msgs]
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("multi_frame", [False, True])
-def test_a_malformed_message_costs_only_itself_in_a_batch(multi_frame: bool) -> None:
-    a, b = channel_pair(1 << 20, recv_type_b=Msg)
+def test_a_malformed_message_costs_only_itself_in_a_batch(
+    multi_frame: bool, zero_copy: bool
+) -> None:
+    a, b = channel_pair(1 << 20, recv_type_b=Msg, zero_copy=zero_copy)
     big = np.arange(3000, dtype=np.int64)  # an aux frame: the general (multi-frame) path
     good = Req("r1", big if multi_frame else big[:4], Params(0.5, []), {})
     a.send(Abort(["x"]))
@@ -158,3 +163,23 @@ def test_a_malformed_message_costs_only_itself_in_a_batch(multi_frame: bool) -> 
     a.send_bytes([b"\xc1"])
     with pytest.raises(msgspec.DecodeError):
         b.recv(timeout=5)  # a single receive raises instead
+
+
+def test_an_impossible_array_shape_is_a_decode_error() -> None:
+    # 0 elements pass the size check, but no numpy array has dimensions this large.
+    head = struct.pack("<IBB3q", 0, 3, 5, 2**62, 2**62, 0)
+    bad = msgspec.msgpack.encode(msgspec.msgpack.Ext(1, head))
+    a, b = channel_pair(4096)
+    a.send(1)
+    a.send_bytes([bad])
+    a.send(3)
+    got = b.recv_all(timeout=5)
+    assert got[0] == 1 and got[2] == 3 and isinstance(got[1], MalformedMessage), got
+    a.send_bytes([bad])
+    with pytest.raises(msgspec.DecodeError, match="shape"):
+        b.recv(timeout=5)
+
+
+def test_unsupported_dtypes_are_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        Encoder().encode(np.zeros(3, dtype=np.longdouble))
