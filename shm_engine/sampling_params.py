@@ -40,7 +40,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field; the engine turns it into a client error."""
+        """Raise ValueError naming the first invalid field; the engine turns it into a client error.
+
+        Types are checked too: fields can be assigned after construction, and a value the wire
+        format or the engine cannot take must fail here, in the frontend, not in the engine.
+        """
+        self._check_types()
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -73,3 +78,43 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+
+    def _check_types(self) -> None:
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL:
+                continue
+            if type(v) is not int:
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if not -_INT_LIMIT <= v < _INT_LIMIT:
+                raise ValueError(f"{name} is out of range: {v}")
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if type(v) is int:
+                setattr(self, name, float(v))
+            elif type(v) is not float:
+                raise ValueError(f"{name} must be a number, got {v!r}")
+        for name in _BOOL_FIELDS:
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list) or any(type(x) is not str for x in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or any(
+            type(t) is not int or not 0 <= t < _INT_LIMIT for t in ids
+        ):
+            raise ValueError("stop_token_ids must be a list of token ids")
+
+
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_OPTIONAL = ("seed", "max_tokens", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_INT_LIMIT = 1 << 63  # what msgpack and the engine's int64 take

@@ -168,7 +168,7 @@ class EngineCore:
     def _error_dump(self, sched: SchedulerOutput):
         try:
             yield
-        except BaseException:
+        except Exception:  # not SystemExit / KeyboardInterrupt: a signal is no model failure
             chunks = ", ".join(
                 f"{c.request.request_id}[{c.start}:{c.start + c.num_tokens}]" for c in sched.chunks
             )

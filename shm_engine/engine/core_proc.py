@@ -25,6 +25,8 @@ import threading
 import time
 import traceback
 
+import msgspec
+
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.core import EngineCore
 from shm_engine.engine.protocol import (
@@ -43,6 +45,25 @@ from shm_engine.engine.protocol import (
 from shm_engine.ipc import ChannelClosedError, MalformedMessage, PeerDeadError
 
 logger = logging.getLogger(__name__)
+
+
+class _Abort:
+    """An abort on its way to the busy loop, which takes it twice: from the eager queue (right
+    after the model ran, so an aborted request gets no further token) and in order from the
+    input queue.
+
+    NOTE: whichever comes first aborts the requests it finds and removes them from ``ids``; the
+    in-order copy aborts the rest and empties the set. So a late eager copy never hits a request
+    that arrived after the abort (a reused id), and an abort that overtook its request's add is
+    still applied in order.
+    """
+
+    __slots__ = ("client", "ids")
+
+    def __init__(self, client: int, ids: list[str]) -> None:
+        self.client = client
+        self.ids = set(ids)
+
 
 # Only these EngineCore methods may be called by name from a client, with the type their result
 # is converted back to on the client (results cross the ring as plain msgpack).
@@ -130,6 +151,11 @@ class EngineCoreProc:
                 logger.info("client %d went away; aborting its requests", client)
                 self.input_queue.put((client, _SHUTDOWN))
                 return
+            except Exception as e:  # e.g. a corrupt ring: this client cannot be served any more
+                logger.exception("client %d's channel failed; dropping the client", client)
+                self._emit(client, EngineDead(message=f"engine dropped this client: {e}"))
+                self.input_queue.put((client, _SHUTDOWN))
+                return
             for msg in msgs:
                 self._accept(client, msg)
 
@@ -139,7 +165,8 @@ class EngineCoreProc:
             logger.warning(
                 "client %d sent a message that could not be decoded: %s", client, msg.error
             )
-            self._emit(client, _error_output("", f"bad message: {msg.error}"))
+            rid = _request_id_of(msg.body)
+            self._emit(client, _error_output(rid, f"bad message: {msg.error}"))
             return
         if isinstance(msg, EngineCoreRequest):
             try:
@@ -148,7 +175,8 @@ class EngineCoreProc:
                 self._emit(client, _error_output(msg.request_id, str(e)))
                 return
         elif isinstance(msg, AbortRequests):
-            self.abort_queue.put(msg.request_ids)
+            msg = _Abort(client, msg.request_ids)
+            self.abort_queue.put(msg)
         self.input_queue.put((client, msg))
 
     def _emit(self, client: int, out) -> None:
@@ -228,12 +256,13 @@ class EngineCoreProc:
                 self.request_client[msg.request_id] = client
             except (ValueError, RuntimeError) as e:
                 self._emit(client, _error_output(msg.request_id, str(e)))
-        elif isinstance(msg, AbortRequests):
-            self._abort(msg.request_ids)
+        elif isinstance(msg, _Abort):
+            self._abort(msg, in_order=True)
         elif isinstance(msg, UtilityCall):
             self._emit(client, EngineCoreOutputs(utility_output=self._call(msg)))
         elif msg is _SHUTDOWN:
-            self._abort([r for r, c in self.request_client.items() if c == client])
+            mine = [r for r, c in self.request_client.items() if c == client]
+            self._abort(_Abort(client, mine), in_order=True)
             self.closed_clients.add(client)
             if len(self.closed_clients) == len(self.channels):
                 self._stop.set()
@@ -251,17 +280,23 @@ class EngineCoreProc:
             logger.exception("utility call %s failed", msg.method)
             return UtilityOutput(msg.call_id, failure_message=f"{msg.method} failed: {e}")
 
-    def _abort(self, request_ids: list[str]) -> None:
-        for rid in self.core.abort_requests(request_ids):
-            self.request_client.pop(rid, None)
+    def _abort(self, abort: _Abort, in_order: bool) -> None:
+        """Abort the requests of ``abort.ids`` its client owns (see _Abort for the two copies)."""
+        owner = self.request_client
+        mine = [r for r in abort.ids if owner.get(r) == abort.client]
+        for rid in self.core.abort_requests(mine):
+            owner.pop(rid, None)
+            abort.ids.discard(rid)
+        if in_order:
+            abort.ids.clear()
 
     def _apply_eager_aborts(self) -> None:
         while True:
             try:
-                ids = self.abort_queue.get_nowait()
+                abort = self.abort_queue.get_nowait()
             except queue.Empty:
                 return
-            self._abort(ids)
+            self._abort(abort, in_order=False)
 
     def _route(self, out: EngineCoreOutputs) -> None:
         """Send each client the rows of its own requests."""
@@ -292,6 +327,21 @@ class EngineCoreProc:
         for chan in self.channels:
             chan.close()
         self.core.shutdown()
+
+
+def _request_id_of(body: bytes | None) -> str:
+    """The request id of an EngineCoreRequest that failed to decode, if it can still be read.
+
+    Reported with the error, so the client fails that request instead of letting it wait.
+    """
+    try:
+        raw = msgspec.msgpack.decode(body) if body else None
+    except msgspec.DecodeError:
+        return ""
+    # array_like and tagged: [tag, request_id, ...]
+    if isinstance(raw, list) and len(raw) > 1 and raw[0] == "EngineCoreRequest":
+        return raw[1] if isinstance(raw[1], str) else ""
+    return ""
 
 
 def _error_output(request_id: str, message: str) -> EngineCoreOutputs:

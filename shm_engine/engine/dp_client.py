@@ -52,6 +52,9 @@ class DPClient:
         self.load = [0] * len(self.engines)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.owner:
+            # Another replica would run it twice; the owning one would fail the original.
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
         i = min(range(len(self.engines)), key=self.load.__getitem__)
         self.engines[i].add_request(request)
         self.owner[request.request_id] = i

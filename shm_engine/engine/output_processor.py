@@ -109,14 +109,14 @@ class OutputProcessor:
         """Register a user request; returns the (engine id, params) of each engine request."""
         if request_id in self.parents:
             raise ValueError(f"duplicate request_id {request_id!r}")
+        params.validate()  # again: fields may have been assigned since construction
         parent = _ParentState(request_id, prompt, prompt_token_ids)
-        self.parents[request_id] = parent
         children = []
         for i in range(params.n):
             child_params = params
             if params.n > 1:
                 # Each completion samples independently; a seeded request stays reproducible.
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else (params.seed + i) % (1 << 63)
                 child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
             eid = child_request_id(request_id, i, params.n)
             state = _RequestState(
@@ -132,9 +132,12 @@ class OutputProcessor:
             )
             if params.logprobs is not None:
                 state.completion.logprobs = []
-            self.states[eid] = state
             parent.children.append(state)
             children.append((eid, child_params))
+        # NOTE: registered only once every child was built, so a failure leaves nothing behind.
+        self.parents[request_id] = parent
+        for state in parent.children:
+            self.states[state.engine_id] = state
         return children
 
     def engine_ids(self, request_id: str) -> list[str]:
@@ -185,13 +188,21 @@ class OutputProcessor:
             comp.token_ids.extend(new_ids)
             if row in out.logprobs:
                 self._add_logprobs(comp, out.logprobs[row])
-            delta = state.detok.add(new_ids)
             finish = out.finished.get(row)
+            params = state.params
+            if finish == "stop" and not params.include_stop_str_in_output:
+                new_ids = new_ids[:-1]  # the EOS or stop token: its text is not output (vLLM)
+            delta = state.detok.add(new_ids)
             if finish is not None:
                 delta += state.detok.flush()
                 comp.stop_reason = out.stop_reasons.get(row)
             comp.text += delta
-            if state.params.stop and self._check_stop_strings(state, len(delta)):
+            # Stop strings count only past min_tokens, like vLLM's.
+            if (
+                params.stop
+                and len(comp.token_ids) > params.min_tokens
+                and self._check_stop_strings(state, len(delta))
+            ):
                 finish = "stop"
                 to_abort.append(eid)
             if finish is not None:

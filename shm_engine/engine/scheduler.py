@@ -95,6 +95,13 @@ class _WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            # A prompt (or a preempted sequence) longer than one step's budget could never run.
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
+                f" must be at least max_model_len ({max_model_len}): raise it or lower "
+                "max_model_len"
+            )
         self.config = config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

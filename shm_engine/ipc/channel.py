@@ -658,7 +658,8 @@ def _decode_or_mark(decode: Callable[[Any], Any], data: Any) -> Any:
     try:
         return decode(data)
     except _DECODE_ERRORS as e:
-        return MalformedMessage(str(e))
+        body = data if isinstance(data, (bytes, bytearray, memoryview)) else data[0]
+        return MalformedMessage(str(e), bytes(body))
 
 
 def channel_pair(

@@ -21,6 +21,10 @@ class ChannelClosedError(IPCError):
 
 @dataclass(frozen=True)
 class MalformedMessage:
-    """Stands in ``Channel.recv_all``'s result for a message that failed to decode."""
+    """Stands in ``Channel.recv_all``'s result for a message that failed to decode.
+
+    ``body`` is a copy of its first frame, so the receiver can still tell whom to answer.
+    """
 
     error: str
+    body: bytes | None = None

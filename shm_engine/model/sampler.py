@@ -38,6 +38,8 @@ from shm_engine.model.sample_native import sample_rows
 from shm_engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_V_MAX = 1 << 31  # above any vocabulary: top-k off
+_TOP_P_MIN = float(np.finfo(np.float32).tiny)
 
 
 def splitmix64(x: int) -> int:
@@ -187,8 +189,10 @@ class Sampler:
                 sample_rows(
                     x if x.stride(1) == 1 else x.contiguous(),
                     [p.temperature for p in sp],
-                    [p.top_k for p in sp],
-                    [p.top_p for p in sp],
+                    # NOTE: valid values beyond what the kernel's int64 / float32 hold mean the
+                    # same there: top_k >= V is off, a top_p under float32's range keeps the top.
+                    [min(p.top_k, _V_MAX) for p in sp],
+                    [max(p.top_p, _TOP_P_MIN) for p in sp],
                     [p.min_p for p in sp],
                     u.numpy(),
                     rows=s_rows if g_rows else None,

@@ -37,7 +37,7 @@ def request(rid: str, tokens, max_tokens=8, **sp) -> EngineCoreRequest:
     return EngineCoreRequest(
         request_id=rid,
         prompt_token_ids=np.asarray(tokens, dtype=np.int32),
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sp),
+        sampling_params=SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **sp}),
         arrival_time=time.time(),
     )
 
@@ -172,6 +172,29 @@ def test_bad_requests_get_errors_and_others_continue(client, tokenizer):
     assert finish == "length" and len(tokens) == 16
 
 
+def test_an_abort_never_hits_a_later_request_with_the_same_id(client, tokenizer):
+    prompt = tokenizer.encode("Count: one, two, three,")
+    client.add_request(request("x", prompt, max_tokens=3))
+    assert collect(client, ["x"])["x"][1] == "length"
+    client.abort_requests(["x"])  # late (x finished): must not outlive this moment
+    time.sleep(0.3)
+    client.add_request(request("x", prompt, max_tokens=3))
+    client.abort_requests(["z"])  # an abort that arrives before its request
+    client.add_request(request("z", prompt, max_tokens=3))
+    done = collect(client, ["x", "z"], timeout=60)
+    assert done["x"][1] == "length" and done["z"][1] == "length"
+
+
+def test_sampling_values_beyond_float32_and_int64_do_not_kill_the_engine(client, tokenizer):
+    prompt = tokenizer.encode("Hello")
+    client.add_request(request("tiny_p", prompt, max_tokens=3, top_p=1e-50, temperature=0.8))
+    client.add_request(request("huge_k", prompt, max_tokens=3, top_k=2**62, temperature=0.8))
+    client.add_request(request("greedy", prompt, max_tokens=3))
+    done = collect(client, ["tiny_p", "huge_k", "greedy"], timeout=60)
+    assert all(d[1] == "length" for d in done.values()), done
+    assert done["tiny_p"][0] == done["greedy"][0]  # top_p that small keeps only the top token
+
+
 def test_utility_calls(client):
     assert client.call_utility("echo", {"a": [1, 2]}) == {"a": [1, 2]}
     assert client.call_utility("is_sleeping") is False
@@ -262,6 +285,24 @@ def test_engine_death_is_reported_within_a_second(sig, tokenizer):
     finally:
         c.shutdown()
     assert c.proc.poll() is not None
+    assert shm_entries() <= before
+
+
+def test_a_corrupt_request_ring_fails_its_client_at_once():
+    # The engine's input thread must not die silently: the client hears EngineDead and the
+    # engine, left without clients, exits.
+    before = shm_entries()
+    c = SyncMPClient(config(num_kv_blocks=64))
+    try:
+        c.channel._mm[0:8] = b"garbage!"  # the client -> engine ring's magic
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="dropped this client"):
+            while time.monotonic() - t0 < 10:
+                c.get_output(timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
+        assert c.proc.wait(timeout=30) == 0
+    finally:
+        c.shutdown()
     assert shm_entries() <= before
 
 
@@ -414,13 +455,18 @@ def test_malformed_and_unknown_messages_are_reported_and_serving_goes_on(tokeniz
         assert isinstance(chan.recv(timeout=120), EngineReady)
         chan.send_bytes([b"\xc1 not msgpack"])  # malformed frame
         chan.send_bytes([msgspec.msgpack.encode(["NoSuchRequestType", 1, 2])])  # unknown type
+        bad = request("bad", tokenizer.encode("Hello"), max_tokens=2)
+        bad.sampling_params.max_tokens = 2.5  # fails the engine's decode, not the encoder
+        chan.send(bad)
         chan.send(request("ok", tokenizer.encode("Hello"), max_tokens=2))
         errors, finished = [], False
         while not finished:
             out = chan.recv(timeout=60)
-            errors += [e.message for e in out.errors]
+            errors += [(e.request_id, e.message) for e in out.errors]
             finished = "ok" in out.request_ids and bool(out.finished)
-        assert len(errors) == 2 and all("bad message" in m for m in errors)
+        assert len(errors) == 3 and all("bad message" in m for _, m in errors)
+        # The request that failed to decode is still named, so its sender can fail it.
+        assert [r for r, _ in errors] == ["", "", "bad"]
         chan.close()
         assert proc.wait(timeout=30) == 0
     finally:

@@ -92,7 +92,8 @@ def test_n_completions_fan_out_with_derived_seeds_and_merge_back(tokenizer):
     assert not results[0].finished
     results, _ = proc.process(step({"1_r": a, "2_r": b}, {"1_r": "stop", "2_r": "length"}))
     out = results[0]
-    assert out.finished and [c.text for c in out.outputs] == ["A", "BA", "AB"]
+    # 1_r's last token ended it as a stop token: its text is not output.
+    assert out.finished and [c.text for c in out.outputs] == ["A", "B", "AB"]
     assert [c.finish_reason for c in out.outputs] == ["length", "stop", "length"]
     with pytest.raises(ValueError, match="duplicate"):
         proc.add_request("x", None, [1], SamplingParams())
@@ -123,3 +124,36 @@ def test_cached_tokens_logprobs_and_metrics(tokenizer):
     assert out.outputs[0].cumulative_logprob == -0.5
     m = out.metrics
     assert m.first_token_time is not None and m.finished_time >= m.arrival_time
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(tokenizer, include):
+    ids = tokenizer.encode("one two", add_special_tokens=False)
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
+    proc.add_request("a", None, [1], params)
+    out, _ = feed(proc, "a", ids, last_reason="stop")
+    comp = out.outputs[0]
+    assert comp.token_ids == ids  # the token itself is still reported
+    assert comp.text == (tokenizer.decode(ids) if include else tokenizer.decode(ids[:-1]))
+
+
+def test_stop_strings_count_only_past_min_tokens(tokenizer):
+    ids = tokenizer.encode("one two one two one", add_special_tokens=False)
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("a", None, [1], SamplingParams(stop=["one"], min_tokens=3))
+    out, aborts = feed(proc, "a", ids)
+    # "one" as tokens 1 and 3 is within min_tokens; the one at token 5, past it, stops.
+    assert aborts == ["a"] and out.outputs[0].text == "one two one two "
+
+
+def test_a_request_that_fails_to_register_leaves_nothing_behind(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2)
+    params.temperature = -1.0  # assigned after construction: caught before it is sent
+    with pytest.raises(ValueError, match="temperature"):
+        proc.add_request("r", None, [1], params)
+    assert not proc.has_unfinished() and not proc.states
+    # Derived seeds wrap instead of overflowing the seed range.
+    children = proc.add_request("r", None, [1], SamplingParams(n=2, seed=(1 << 63) - 1))
+    assert [p.seed for _, p in children] == [(1 << 63) - 1, 0]

@@ -24,11 +24,13 @@ def next_token(prefix: list[int]) -> int:
     return 1 + int.from_bytes(digest, "little") % (VOCAB - 1)  # never EOS
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, **kw) -> Scheduler:
+def make_scheduler(
+    num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len=1024, **kw
+) -> Scheduler:
     cfg = EngineConfig(
         block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw
     )
-    return Scheduler(cfg, num_blocks=num_blocks, max_model_len=1024)
+    return Scheduler(cfg, num_blocks=num_blocks, max_model_len=max_model_len)
 
 
 def make_request(
@@ -85,11 +87,19 @@ def test_budget_is_shared_by_decodes_and_chunked_prefills():
 
 
 def test_without_chunked_prefill_a_long_prompt_waits_for_a_whole_budget():
-    s = make_scheduler(budget=128, block_size=16, enable_chunked_prefill=False)
+    s = make_scheduler(budget=128, block_size=16, max_model_len=128, enable_chunked_prefill=False)
     s.add_request(make_request("a", list(range(1, 101))))
     s.add_request(make_request("b", list(range(1, 101))))
     out, _ = run_step(s)
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 100)]
+    results = run_to_completion(s)
+    assert sorted(results) == ["a", "b"]  # b ran once a's budget was free
+
+
+def test_without_chunked_prefill_the_budget_must_cover_the_context():
+    # Otherwise a prompt (or a preempted sequence) longer than the budget would wait forever.
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_scheduler(budget=128, max_model_len=1024, enable_chunked_prefill=False)
 
 
 def test_long_prefill_threshold_caps_each_requests_chunk():
