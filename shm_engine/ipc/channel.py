@@ -251,6 +251,7 @@ class Channel:
         ``rc`` is the result of a first attempt a fast path already made.
         """
         spin = 1
+        settled = False
         try:
             while True:
                 if rc is None:
@@ -260,21 +261,23 @@ class Channel:
                     self._pending = None
                     return
                 if rc != _EAGAIN:
+                    settled = True
                     self._settle(call, broken=True)
                     self._raise(rc, self._tx)
                 rc = None
                 try:
                     self._check_alive(self._tx)
                 except IPCError:
+                    settled = True
                     self._settle(call, broken=True)
                     raise
                 if deadline is not None and time.monotonic() >= deadline:
+                    settled = True
                     sent = self._settle(call, broken=False)
                     raise _send_timeout(sent, nmsgs, self._pending is not None)
-        except (IPCError, TimeoutError):
-            raise  # settled above
         except BaseException:
-            self._settle(call, broken=False)
+            if not settled:  # e.g. what a signal handler raised as the C call returned
+                self._settle(call, broken=False)
             raise
 
     def _finish_pending(self, deadline: float | None) -> None:
