@@ -3,12 +3,16 @@
     shm-engine bench serve --base-url http://127.0.0.1:8000 --concurrency 16 --num-prompts 64 \\
         --input-len 128 --output-len 128 --json out.json [--plot out.png] [--sweep 1,4,16]
 
-Each request streams (SSE) so the client sees every token arrive: TTFT is send -> first non-empty
-text, ITL the gaps between later text chunks, TPOT (latency - TTFT) / (output tokens - 1) per
-request, output tokens from the server's ``usage`` (falling back to counting chunks). Arrivals
-are Poisson at ``--request-rate`` (default: all at once), at most ``--concurrency`` in flight.
-Prompts are random token strings of ``--input-len`` tokens (the embedded model's tokenizer, or
-``--tokenizer``), or lines of ``--dataset-path`` (text, or JSONL with a "prompt" field).
+Each request streams (SSE) and is timed as vLLM's benchmark does: TTFT is send -> the first chunk
+with ``choices``, ITL the gaps between later such chunks, latency send -> the last one, TPOT
+(latency - TTFT) / (output tokens - 1). A request succeeds when its 200 stream ends with
+``data: [DONE]``. Output tokens come from the ``usage`` the server sends when asked
+(``stream_options.include_usage``); a server that sends none has the chunks that carried text
+counted instead, and the report says for how many requests. Arrivals are Poisson at
+``--request-rate`` (default: all at once), at most ``--concurrency`` in flight. Prompts are random
+token strings of ``--input-len`` tokens (the embedded model's tokenizer, or ``--tokenizer``), or
+lines of ``--dataset-path`` (text, or JSONL with a "prompt" field); every run of a sweep sends
+prompts of its own, so no run finds another's in the server's prefix cache.
 ``ignore_eos`` is sent so every request generates exactly ``--output-len`` tokens on servers
 that honour it (vLLM, ours); pass ``--no-ignore-eos`` for strict OpenAI servers.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import math
@@ -43,6 +48,8 @@ class RequestResult:
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    usage_reported: bool = False  # False: output_tokens counts the chunks that carried text
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where reported
     ttft: float = 0.0  # seconds
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -51,13 +58,18 @@ class RequestResult:
 # --------------------------------------------------------------------------- prompts
 
 
-def random_prompts(
-    n: int, input_len: int, tokenizer_path: str | None, seed: int
-) -> list[tuple[str, int]]:
-    """``n`` distinct prompts of about ``input_len`` tokens (random tokens, re-encoded to fit)."""
+@functools.cache
+def _tokenizer(path: str | None) -> Any:
     from shm_engine.model.loader import load_model
 
-    tok = load_model(tokenizer_path).tokenizer
+    return load_model(path).tokenizer
+
+
+def random_prompts(
+    n: int, input_len: int, tokenizer_path: str | None, seed: int | tuple[int, ...]
+) -> list[tuple[str, int]]:
+    """``n`` distinct prompts of about ``input_len`` tokens (random tokens, re-encoded to fit)."""
+    tok = _tokenizer(tokenizer_path)
     rng = np.random.default_rng(seed)
     special = set(tok.all_special_ids)
     lo, hi = 300, max(301, tok.vocab_size - 300)  # skip bytes/specials at the ends
@@ -79,8 +91,13 @@ def random_prompts(
     return prompts
 
 
-def file_prompts(path: str, n: int) -> list[tuple[str, int]]:
-    """Prompts from a text file (one a line) or JSONL ({"prompt": ...}), cycled to ``n``."""
+def file_prompts(path: str, n: int, nonce: str | None = None) -> list[tuple[str, int]]:
+    """Prompts from a text file (one a line) or JSONL ({"prompt": ...}), cycled to ``n``.
+
+    With ``nonce``, each prompt starts with ``(nonce.cycle) ``: a run's prompts, and the repeats
+    of a short file within one run, then share no prefix the server may have cached, while the
+    prompts of one pass over the file still share the prefixes the dataset gives them.
+    """
     items: list[str] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -93,7 +110,20 @@ def file_prompts(path: str, n: int) -> list[tuple[str, int]]:
             items.append(line)
     if not items:
         raise SystemExit(f"no prompts in {path}")
-    return [(items[i % len(items)], 0) for i in range(n)]
+    if nonce is None:
+        return [(items[i % len(items)], 0) for i in range(n)]
+    return [(f"({nonce}.{i // len(items)}) {items[i % len(items)]}", 0) for i in range(n)]
+
+
+def run_prompts(args: argparse.Namespace, run: int) -> list[tuple[str, int]]:
+    """The prompts of run ``run`` of a sweep: distinct from every other run's.
+
+    Why: the runs of a sweep share one server, and reused prompts hit its prefix cache: a
+    second run measured TTFT 44 ms where the first measured 417 ms.
+    """
+    if args.dataset_path:
+        return file_prompts(args.dataset_path, args.num_prompts, nonce=f"{args.seed}.{run}")
+    return random_prompts(args.num_prompts, args.input_len, args.tokenizer, (args.seed, run))
 
 
 # --------------------------------------------------------------------------- one request
@@ -107,9 +137,15 @@ _JSON = {"Content-Type": "application/json"}
 async def send_request(
     client, url: str, payload: dict[str, Any], chat: bool, prompt_tokens: int
 ) -> RequestResult:
-    """Stream one request; timestamps are taken as each SSE line arrives."""
+    """Stream one request; timestamps are taken as each SSE read arrives.
+
+    As vLLM's benchmark: every chunk with ``choices`` counts, even one without text (a request
+    may finish on its first token with no text at all), TTFT is the first of them and latency the
+    last. Unlike it, a 200 stream that ends without ``data: [DONE]`` is a failure.
+    """
     res = RequestResult(prompt_tokens=prompt_tokens)
-    chunks = 0
+    chunks = text_chunks = 0
+    done = False
     t0 = time.perf_counter()
     last = t0
     try:
@@ -130,21 +166,16 @@ async def send_request(
                         continue
                     payload_ = line[5:].strip()
                     if payload_ == b"[DONE]":
+                        done = True
                         continue
                     obj = _json_decode(payload_)
                     if "error" in obj:
                         res.error = str(obj["error"].get("message", obj["error"]))
                         return res
-                    usage = obj.get("usage")
-                    if usage:
-                        res.output_tokens = usage.get("completion_tokens") or res.output_tokens
-                        res.prompt_tokens = usage.get("prompt_tokens") or res.prompt_tokens
+                    if usage := obj.get("usage"):
+                        _read_usage(res, usage)
                     choices = obj.get("choices")
                     if not choices:
-                        continue
-                    c = choices[0]
-                    text = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                    if not text:
                         continue
                     if chunks == 0:
                         res.ttft = now - t0
@@ -152,15 +183,38 @@ async def send_request(
                         res.itl.append(now - last)
                     last = now
                     chunks += 1
+                    c = choices[0]
+                    text_chunks += bool(
+                        (c.get("delta") or {}).get("content") if chat else c.get("text")
+                    )
     except Exception as e:  # network errors count as failed requests, not a crash
         res.error = f"{type(e).__name__}: {e}"
         return res
-    res.latency = time.perf_counter() - t0
-    if not res.output_tokens:
-        res.output_tokens = chunks
-    res.ok = chunks > 0
-    if not res.ok:
-        res.error = "no tokens received"
+    return _finish(res, done, chunks, text_chunks, last - t0)
+
+
+def _read_usage(res: RequestResult, usage: dict[str, Any]) -> None:
+    if usage.get("completion_tokens") is not None:
+        res.output_tokens = usage["completion_tokens"]
+        res.usage_reported = True
+    res.prompt_tokens = usage.get("prompt_tokens") or res.prompt_tokens
+    details = usage.get("prompt_tokens_details") or {}
+    res.cached_tokens = details.get("cached_tokens") or 0
+
+
+def _finish(
+    res: RequestResult, done: bool, chunks: int, text_chunks: int, latency: float
+) -> RequestResult:
+    """Success or failure of a stream that was read to its end."""
+    if not done:
+        res.error = "stream ended early (no data: [DONE])"
+    elif not chunks:
+        res.error = "the stream had no chunk with choices"
+    else:
+        res.ok = True
+        res.latency = latency
+        if not res.usage_reported:
+            res.output_tokens = text_chunks  # one token a chunk: reported as an estimate
     return res
 
 
@@ -273,6 +327,9 @@ def report(
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        # Requests whose output tokens are counted chunks: the server sent no usage.
+        "output_tokens_estimated": sum(not r.usage_reported for r in ok),
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_tok_s": out_tokens / duration if duration > 0 else 0.0,
         "total_tok_s": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
@@ -294,12 +351,18 @@ def print_report(rep: dict[str, Any]) -> None:
         ("Duration (s)", f"{rep['duration_s']:.2f}"),
         ("Input tokens", rep["total_input_tokens"]),
         ("Output tokens", rep["total_output_tokens"]),
+        ("Cached prompt tokens (server)", rep["cached_prompt_tokens"]),
         ("Request throughput (req/s)", f"{rep['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{rep['output_tok_s']:.1f}"),
         ("Total token throughput (tok/s)", f"{rep['total_tok_s']:.1f}"),
     ]
     for k, v in rows:
         print(f" {k:<34}{v:>24}")
+    if rep["output_tokens_estimated"]:
+        print(
+            f" NOTE: {rep['output_tokens_estimated']} requests had no usage from the server: their"
+            " output tokens are the chunks that carried text"
+        )
     for key, name in (
         ("ttft_ms", "TTFT"),
         ("tpot_ms", "TPOT"),
@@ -396,25 +459,23 @@ async def _model_id(base_url: str) -> str:
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     model = args.model or await _model_id(args.base_url)
-    if args.dataset_path:
-        prompts = file_prompts(args.dataset_path, args.num_prompts)
-    else:
-        prompts = random_prompts(args.num_prompts, args.input_len, args.tokenizer, args.seed)
-    # NOTE: as in the server: a full collection over the startup heap would stall every
-    # stream's timestamps at once (a fake latency spike); only the run's own objects are walked.
-    gc.collect()
-    gc.freeze()
     values: list[float | None] = [None]
     if args.sweep:
         values = [float(v) for v in args.sweep.split(",") if v.strip()]
+    prompts = [run_prompts(args, run) for run in range(len(values))]
+    # NOTE: as in the server: a full collection over the startup heap would stall every
+    # stream's timestamps at once (a fake latency spike); only the run's own objects are walked.
+    # Hence the prompts of every run are made first, the tokenizer with them.
+    gc.collect()
+    gc.freeze()
     runs = []
-    for v in values:
+    for run, v in enumerate(values):
         conc, rate = args.concurrency, args.request_rate
         if v is not None and args.sweep_param == "concurrency":
             conc = int(v)
         elif v is not None:
             rate = v
-        rep = await run_load(args, prompts, model, conc, rate)
+        rep = await run_load(args, prompts[run], model, conc, rate)
         print_report(rep)
         runs.append(rep)
     return runs

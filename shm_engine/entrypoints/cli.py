@@ -137,10 +137,9 @@ def cmd_bench(args) -> int:
 
         return serve.main(args.rest)
     if args.what == "ipc":
-        from benchmarks import bench_ipc
+        from shm_engine.benchmarks import ipc
 
-        sys.argv = ["bench_ipc", *args.rest]
-        return bench_ipc.main() or 0
+        return ipc.main(args.rest)
     print(f"unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 

@@ -10,6 +10,7 @@ Each server owns its own registry, so several servers (tests) can live in one pr
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -46,13 +47,17 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the engine's running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        # NOTE: the block pool counts these in tokens (a hit block adds block_size).
         self.prefix_hit_rate = gauge(
-            "prefix_cache_hit_rate", "Prefix cache hits / queries since start (blocks)."
+            "prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
         )
         self.prefix_queries = gauge(
-            "prefix_cache_queries", "Prefix cache block lookups since start."
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache since start."
         )
-        self.prefix_hits = gauge("prefix_cache_hits", "Prefix cache block hits since start.")
+        self.prefix_hits = gauge(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache since start."
+        )
         self.preemptions = gauge("num_preemptions", "Requests preempted since start.")
         self.frontend_inflight = gauge(
             "frontend_requests_in_flight", "Requests the HTTP frontend is serving."
@@ -84,6 +89,12 @@ class ServerMetrics:
         self._model_name = model_name
 
     def update_stats(self, stats: SchedulerStats, alive: bool) -> None:
+        """Engine state at scrape time; a dead engine runs nothing and holds no KV cache.
+
+        The totals since start (prefix cache, preemptions) keep their last values.
+        """
+        if not alive:
+            stats = msgspec.structs.replace(stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -6,8 +6,9 @@ Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not),
 ``/health`` (503 once the engine is dead), ``/metrics`` (Prometheus).
 
 Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for
-invalid parameters and prompts that do not fit the context, 404 for an unknown model, 503 when the
-engine is gone. No request error takes the server down. A client that disconnects has its request
+invalid parameters, messages the chat template refuses and prompts that do not fit the context,
+404 for an unknown model or path, 405 for a wrong method, 503 when the engine is gone. No request
+error takes the server down. A client that disconnects has its request
 aborted in the engine: streaming responses are cancelled by Starlette's disconnect listener,
 non-streaming ones race the generation against ``http.disconnect``.
 """
@@ -15,9 +16,12 @@ non-streaming ones race the generation against ``http.disconnect``.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import gc
+import json
 import logging
+import re
 import signal
 import time
 import uuid
@@ -25,18 +29,21 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import jinja2
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from shm_engine.engine.client import EngineDeadError
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
-from shm_engine.entrypoints.async_engine import AsyncLLM, RequestHandle
+from shm_engine.entrypoints.async_engine import AsyncLLM, PromptTooLongError, RequestHandle
 from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from shm_engine.model.tokenizer import Tokenizer
 from shm_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,6 +60,10 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away mid-stream (its requests are aborted)."""
 
 
 def _error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
@@ -72,17 +83,149 @@ def engine_dead(message: str = "") -> APIError:
 
 
 def _to_api_error(e: BaseException) -> APIError:
+    """The HTTP error of an exception; only unexpected ones (500) are logged, with a traceback."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
         return engine_dead(str(e))
+    if isinstance(e, ClientDisconnected):
+        return APIError(499, "client disconnected", "client_closed_request")
     if isinstance(e, ValueError | TypeError):
         return bad_request(str(e))
+    # NOTE: a syntax error is the model's template being broken (a server fault, below); any
+    # other template error is the template refusing these messages (raise_exception: "roles
+    # must alternate", ...), i.e. the client's request.
+    if isinstance(e, jinja2.TemplateError) and not isinstance(e, jinja2.TemplateSyntaxError):
+        return bad_request(f"the chat template rejected the messages: {e}", "messages")
     logger.exception("request failed", exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
+# --------------------------------------------------------------------------- tokens
+
+
+# Prompts longer than this (characters) are tokenized in a worker thread. Shorter ones encode
+# in ~1 ms inline: a thread hop would cost more than that in the 2 ms TTFT budget of the frontend.
+INLINE_TOKENIZE_CHARS = 2048
+
+_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet, char -> byte (the inverse of GPT-2's ``bytes_to_unicode``)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}  # printable bytes stand for themselves
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+def _decoder_types(tokenizer: Tokenizer) -> set[str]:
+    """The ``type`` of the tokenizer's decoder and of every decoder nested in it."""
+    decoder = tokenizer.backend.decoder
+    if decoder is None:
+        return set()
+    types: set[str] = set()
+    todo = [json.loads(decoder.__getstate__())]
+    while todo:
+        d = todo.pop()
+        types.add(d.get("type", ""))
+        todo += d.get("decoders") or []
+    return types
+
+
+def _vocab_bytes(tokenizer: Tokenizer) -> list[bytes]:
+    """Every token's own bytes, by id.
+
+    Why: decoding one token is lossy. A byte-level token that holds part of a UTF-8 sequence
+    decodes to U+FFFD, so every emoji piece looked alike (chat ``bytes`` [239, 191, 189]) and
+    collided as a completions ``top_logprobs`` key. The bytes come from the vocabulary instead:
+    byte-level pieces through GPT-2's byte alphabet, SentencePiece pieces with ``<0xNN>`` byte
+    fallback and U+2581 for a space, added tokens as their text. Other decoders fall back to the
+    single-token decode.
+    """
+    backend = tokenizer.backend
+    size = tokenizer.vocab_size
+    types = _decoder_types(tokenizer)
+    added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+    byte_level = _gpt2_byte_decoder() if "ByteLevel" in types else None
+    spm = byte_level is None and bool(types & {"ByteFallback", "Metaspace", "Replace"})
+    decoded = None
+    if byte_level is None and not spm:
+        decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    out = []
+    for i in range(size):
+        piece = backend.id_to_token(i)
+        if i in added or piece is None:
+            out.append((added.get(i) or piece or "").encode())
+        elif byte_level is not None and all(ch in byte_level for ch in piece):
+            out.append(bytes(byte_level[ch] for ch in piece))
+        elif spm:
+            m = _SPM_BYTE.fullmatch(piece)
+            out.append(bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode())
+        else:
+            out.append((decoded[i] if decoded else backend.decode([i], False)).encode())
+    return out
+
+
+class TokenTable:
+    """Per-token bytes and strings for logprobs, and the prompt size no context can hold.
+
+    Built once per server (~0.1 s for a 49k vocabulary); lookups are list indexing.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.bytes = _vocab_bytes(tokenizer)
+        added = tokenizer.backend.get_added_tokens_decoder()
+        # What decode(skip_special_tokens=True), hence the streamed text, leaves out.
+        self.special = frozenset(i for i, t in added.items() if t.special)
+        # NOTE: bytes bound characters: a token covers at most as many characters of a prompt as
+        # it has bytes (one per character at the least, and a SentencePiece piece's U+2581 is
+        # the space it stands for). Decoded lengths are not a bound: SentencePiece decoding
+        # strips a token's leading space.
+        self.max_token_chars = max(1, max(map(len, self.bytes), default=1))
+        self._strings: dict[int, str] = {}
+
+    def token_bytes(self, tid: int) -> bytes:
+        return self.bytes[tid] if 0 <= tid < len(self.bytes) else b""
+
+    def text_bytes(self, tid: int, skip_special: bool) -> bytes:
+        """The bytes a token adds to the output text (special tokens may be skipped)."""
+        return b"" if skip_special and tid in self.special else self.token_bytes(tid)
+
+    def string(self, tid: int) -> str:
+        """The token as text; ``bytes:\\xNN..`` (OpenAI's notation) if it is not valid UTF-8."""
+        s = self._strings.get(tid)
+        if s is None:
+            b = self.token_bytes(tid)
+            try:
+                s = b.decode()
+            except UnicodeDecodeError:
+                s = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+            self._strings[tid] = s
+        return s
+
+
 # --------------------------------------------------------------------------- per-request state
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")("replace")
+
+
+@dataclass
+class _LogprobCursor:
+    """How far one choice's logprobs have been reported.
+
+    ``offset`` is the next token's ``text_offset``: characters of the echoed prompt plus those the
+    reported tokens' bytes complete (a token holding the first half of a character adds none).
+    Streaming and non-streaming both advance one of these token by token, so they agree.
+    """
+
+    tokens: int = 0
+    text_bytes: int = 0  # UTF-8 bytes of output text the reported tokens make up
+    offset: int = 0
+    utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder)
 
 
 @dataclass
@@ -90,8 +233,9 @@ class _Choice:
     """What one choice has already sent to the client (outputs are cumulative)."""
 
     text_sent: int = 0
-    tokens_sent: int = 0
+    text_bytes_sent: int = 0  # UTF-8 length of the text sent; kept only with logprobs
     done: bool = False
+    lp: _LogprobCursor = field(default_factory=_LogprobCursor)
 
 
 @dataclass
@@ -128,6 +272,12 @@ def _sse_chunk(
     return b"data: " + _json.encode(body) + b"\n\n"
 
 
+def _sse_error(e: BaseException) -> bytes:
+    """A failure after the stream started: an error event (the status line is already sent)."""
+    err = _to_api_error(e)
+    return b"data: " + _json.encode(_error_body(err.status, err.message, err.type)) + b"\n\n"
+
+
 def _usage(prompts: list[_Prompt]) -> dict[str, Any]:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion = sum(
@@ -159,7 +309,9 @@ class OpenAIServer:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
-        self._token_text: dict[int, str] = {}
+        self.tokens = TokenTable(engine.tokenizer)
+        # A longer prompt cannot fit in the context, however it tokenizes.
+        self.max_prompt_chars = engine.max_model_len * self.tokens.max_token_chars
 
     # ------------------------------------------------------------------ helpers
 
@@ -171,15 +323,49 @@ class OpenAIServer:
         if self.engine.is_dead:
             raise engine_dead(self.engine.dead_reason or "")
 
-    def token_text(self, token_id: int) -> str:
-        s = self._token_text.get(token_id)
-        if s is None:
-            s = self._token_text[token_id] = self.tokenizer.decode(
-                [token_id], skip_special_tokens=False
-            )
-        return s
+    def _check_chars(self, text: str) -> None:
+        """Refuse a text too long for the context before paying for its tokenization.
 
-    def _prompts_from_completion(
+        A 12 MB prompt took 13 s to encode only to be refused for its length afterwards.
+        """
+        limit = self.max_prompt_chars
+        if len(text) <= limit:
+            return
+        normalizer = self.tokenizer.backend.normalizer
+        # NOTE: the bound holds for the text the model tokenizes: a normalizer (NFC, ...) may
+        # shorten it first. Only texts past the limit pay for this, off the event loop.
+        if normalizer is not None and len(normalizer.normalize_str(text)) <= limit:
+            return
+        n = self.engine.max_model_len
+        raise PromptTooLongError(
+            f"This model's maximum context length is {n} tokens, but the prompt has "
+            f"{len(text)} characters, more than {n} tokens can hold (the longest token has "
+            f"{self.tokens.max_token_chars})."
+        )
+
+    def _tokenize(self, text: str, add_special_tokens: bool, in_thread: bool) -> list[int]:
+        self._check_chars(text)
+        if not in_thread:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # NOTE: encode_batch, not encode: only the batch call releases the GIL while the Rust
+        # tokenizer runs, so only it lets the event loop go on next to this worker thread.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    async def _encode(self, text: str) -> list[int]:
+        """A completion prompt's ids; a long one is tokenized in a worker thread."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self._tokenize(text, True, in_thread=False)
+        return await asyncio.to_thread(self._tokenize, text, True, True)
+
+    def _render_chat(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool, in_thread: bool
+    ) -> tuple[str, list[int]]:
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt
+        )
+        return text, self._tokenize(text, False, in_thread)
+
+    async def _prompts_from_completion(
         self, req: CompletionRequest, params: SamplingParams
     ) -> list[_Prompt]:
         p = req.prompt
@@ -195,21 +381,25 @@ class OpenAIServer:
         base = f"cmpl-{uuid.uuid4().hex[:24]}"
         for i, item in enumerate(raw):
             if isinstance(item, str):
-                text, ids = item, self.tokenizer.encode(item)
+                text, ids = item, await self._encode(item)
             else:
                 if any(t < 0 or t >= self.engine.client.ready.vocab_size for t in item):
                     raise bad_request("prompt token ids out of the vocabulary", "prompt")
                 text, ids = None, list(item)
+            self.engine.check_prompt(ids, params)
             prompts.append(_Prompt(text, ids, params, f"{base}-{i}"))
-        for pr in prompts:
-            self.engine.check_prompt(pr.token_ids, params)
         return prompts
 
-    def _prompt_from_chat(self, req: ChatCompletionRequest, params: SamplingParams) -> _Prompt:
-        text = self.tokenizer.apply_chat_template(
-            req.conversation(), add_generation_prompt=req.add_generation_prompt
-        )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+    async def _prompt_from_chat(
+        self, req: ChatCompletionRequest, params: SamplingParams
+    ) -> _Prompt:
+        """The templated prompt; a long conversation is rendered and tokenized in a thread."""
+        conversation = req.conversation()
+        add_gen = req.add_generation_prompt
+        if sum(len(m["content"]) for m in conversation) <= INLINE_TOKENIZE_CHARS:
+            text, ids = self._render_chat(conversation, add_gen, in_thread=False)
+        else:
+            text, ids = await asyncio.to_thread(self._render_chat, conversation, add_gen, True)
         self.engine.check_prompt(ids, params)
         return _Prompt(text, ids, params, f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
@@ -241,18 +431,38 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ logprobs
 
+    def _advance(self, cur: _LogprobCursor, tid: int, skip_special: bool) -> int:
+        """The ``text_offset`` of the cursor's next token, ``tid``; moves the cursor past it."""
+        offset = cur.offset
+        b = self.tokens.text_bytes(tid, skip_special)
+        cur.offset += len(cur.utf8.decode(b))
+        cur.text_bytes += len(b)
+        cur.tokens += 1
+        return offset
+
+    def _top_dict(self, lps: dict[int, float]) -> dict[str, float]:
+        """Completions' ``{token: logprob}``, keyed by token string as OpenAI and vLLM do.
+
+        Tokens that are not whole UTF-8 get distinct ``bytes:\\xNN`` keys, so pieces of emoji no
+        longer collapse into one U+FFFD entry; ids whose strings still coincide keep the higher
+        logprob (the first one on a tie).
+        """
+        top: dict[str, float] = {}
+        for tid, lp in sorted(lps.items(), key=lambda kv: -kv[1]):
+            top.setdefault(self.tokens.string(tid), lp)
+        return top
+
     def _completion_logprobs(
-        self, c: CompletionOutput, start: int, end: int, text_offset: int
+        self, c: CompletionOutput, end: int, cur: _LogprobCursor, skip_special: bool
     ) -> dict[str, Any]:
+        """Logprobs of tokens ``cur.tokens:end`` in the completions shape."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        off = text_offset
+        start = cur.tokens
         for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
-            s = self.token_text(tid)
-            tokens.append(s)
+            tokens.append(self.tokens.string(tid))
             token_lps.append(lps.get(tid))
-            tops.append({self.token_text(t): lp for t, lp in lps.items()})
-            offsets.append(off)
-            off += len(s)
+            tops.append(self._top_dict(lps))
+            offsets.append(self._advance(cur, tid, skip_special))
         return {
             "tokens": tokens,
             "token_logprobs": token_lps,
@@ -260,29 +470,94 @@ class OpenAIServer:
             "text_offset": offsets,
         }
 
+    def _chat_entry(self, tid: int, lp: float | None) -> dict[str, Any]:
+        b = self.tokens.token_bytes(tid)
+        return {"token": self.tokens.string(tid), "logprob": lp, "bytes": list(b)}
+
     def _chat_logprobs(
-        self, c: CompletionOutput, start: int, end: int, top_n: int
+        self, c: CompletionOutput, end: int, cur: _LogprobCursor, skip_special: bool, top_n: int
     ) -> dict[str, Any]:
+        """Logprobs of tokens ``cur.tokens:end`` in the chat shape."""
         content = []
+        start = cur.tokens
         for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
-            s = self.token_text(tid)
+            self._advance(cur, tid, skip_special)
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append(
-                {
-                    "token": s,
-                    "logprob": lps.get(tid),
-                    "bytes": list(s.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": self.token_text(t),
-                            "logprob": lp,
-                            "bytes": list(self.token_text(t).encode()),
-                        }
-                        for t, lp in top
-                    ],
-                }
-            )
+            entry = self._chat_entry(tid, lps.get(tid))
+            entry["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in top]
+            content.append(entry)
         return {"content": content}
+
+    def _tokens_covered(self, c: CompletionOutput, st: _Choice, skip_special: bool) -> int:
+        """How many tokens the text sent so far is made of: their logprobs go out with it.
+
+        NOTE: counted in UTF-8 bytes, not characters: a byte-level token may hold part of a
+        character, whose text is held back until the character is complete.
+        """
+        ids = c.token_ids
+        n, size = st.lp.tokens, st.lp.text_bytes
+        while n < len(ids):
+            size += len(self.tokens.text_bytes(ids[n], skip_special))
+            if size > st.text_bytes_sent:
+                break
+            n += 1
+        return n
+
+    def _next_delta(
+        self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
+    ) -> tuple[str, str | None, int] | None:
+        """A choice's next chunk: (text, finish reason, tokens whose logprobs go with it).
+
+        None while there is nothing to send. Text is held back while a stop string may still cut
+        it; logprobs wait for their tokens' text, so a chunk's logprobs match its text.
+        """
+        if st.done:
+            return None
+        finish = _finish_reason(c)
+        end = len(c.text) if finish else max(st.text_sent, len(c.text) - hold)
+        delta = c.text[st.text_sent : end]
+        if not delta and finish is None:
+            return None
+        st.text_sent = end
+        st.done = finish is not None
+        ntok = st.lp.tokens
+        if params.logprobs is not None and c.logprobs is not None:
+            st.text_bytes_sent += len(delta.encode())
+            skip = params.skip_special_tokens
+            ntok = len(c.token_ids) if st.done else self._tokens_covered(c, st, skip)
+        return delta, finish, ntok
+
+    def _completion_delta(
+        self, base: int, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
+    ) -> dict[str, Any] | None:
+        """A streamed completions choice (index ``base + c.index``), or None: nothing new."""
+        step = self._next_delta(c, st, hold, params)
+        if step is None:
+            return None
+        delta, finish, ntok = step
+        lp = None
+        if params.logprobs is not None and c.logprobs is not None:
+            lp = self._completion_logprobs(c, ntok, st.lp, params.skip_special_tokens)
+        return {"index": base + c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
+
+    def _chat_delta(
+        self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
+    ) -> dict[str, Any] | None:
+        """A streamed chat choice, or None: nothing new."""
+        step = self._next_delta(c, st, hold, params)
+        if step is None:
+            return None
+        delta, finish, ntok = step
+        lp = None
+        if params.logprobs is not None and c.logprobs is not None:
+            skip = params.skip_special_tokens
+            lp = self._chat_logprobs(c, ntok, st.lp, skip, params.logprobs)
+        return {
+            "index": c.index,
+            "delta": {"content": delta} if delta else {},
+            "logprobs": lp,
+            "finish_reason": finish,
+        }
 
     # ------------------------------------------------------------------ completions
 
@@ -290,7 +565,7 @@ class OpenAIServer:
         self.check_model(req.model)
         self.check_alive()
         params = req.sampling_params()
-        prompts = self._prompts_from_completion(req, params)
+        prompts = await self._prompts_from_completion(req, params)
         if req.stream:
             return _SSEResponse(self._stream_completions(req, prompts), self._start(prompts))
         handles = self._start(prompts)
@@ -302,11 +577,14 @@ class OpenAIServer:
         choices = []
         for i, p in enumerate(prompts):
             assert p.final is not None
-            prefix = (p.text or self.tokenizer.decode(p.token_ids)) if req.echo else ""
+            prefix = self._echo(p) if req.echo else ""
             for c in p.final.outputs:
                 lp = None
                 if params.logprobs is not None and c.logprobs is not None:
-                    lp = self._completion_logprobs(c, 0, len(c.token_ids), len(prefix))
+                    cur = _LogprobCursor(offset=len(prefix))
+                    lp = self._completion_logprobs(
+                        c, len(c.token_ids), cur, params.skip_special_tokens
+                    )
                 choices.append(
                     {
                         "index": i * params.n + c.index,
@@ -327,13 +605,17 @@ class OpenAIServer:
             }
         )
 
+    def _echo(self, p: _Prompt) -> str:
+        return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+
     async def _stream_completions(
         self, req: CompletionRequest, prompts: list[_Prompt]
     ) -> AsyncIterator[bytes]:
         rid = prompts[0].request_id.rsplit("-", 1)[0]
         created = int(time.time())
-        n = prompts[0].params.n
-        want_lp = prompts[0].params.logprobs is not None
+        params = prompts[0].params
+        n = params.n
+        hold = _holdback(params)
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
             return _sse_chunk(rid, "text_completion", created, self.model_name, choices, usage)
@@ -343,51 +625,26 @@ class OpenAIServer:
                 if not p.choices:
                     p.choices = [_Choice() for _ in range(n)]
                     if req.echo:
-                        prefix = p.text or self.tokenizer.decode(p.token_ids)
-                        yield chunk(
-                            [
-                                {
-                                    "index": i * n + j,
-                                    "text": prefix,
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                                for j in range(n)
-                            ]
-                        )
-                hold = _holdback(p.params)
-                choices = []
-                for c in out.outputs:
-                    st = p.choices[c.index]
-                    if st.done:
-                        continue
-                    finish = _finish_reason(c)
-                    end = len(c.text) if finish else max(st.text_sent, len(c.text) - hold)
-                    delta = c.text[st.text_sent : end]
-                    ntok = len(c.token_ids)
-                    if not delta and finish is None:
-                        continue
-                    lp = None
-                    if want_lp and c.logprobs is not None:
-                        lp = self._completion_logprobs(c, st.tokens_sent, ntok, st.text_sent)
-                        st.tokens_sent = ntok
-                    st.text_sent = end
-                    st.done = finish is not None
-                    choices.append(
-                        {
-                            "index": i * n + c.index,
-                            "text": delta,
-                            "logprobs": lp,
-                            "finish_reason": finish,
-                        }
-                    )
+                        prefix = self._echo(p)
+                        for st in p.choices:
+                            st.lp.offset = len(prefix)  # offsets count the echoed prompt
+                        echoed = [{"index": i * n + j, "text": prefix, "logprobs": None,
+                                   "finish_reason": None} for j in range(n)]  # fmt: skip
+                        yield chunk(echoed)
+                choices = [
+                    d
+                    for c in out.outputs
+                    if (d := self._completion_delta(i * n, c, p.choices[c.index], hold, params))
+                ]
                 if choices:
                     yield chunk(choices)
             if req.include_usage:
                 yield chunk([], _usage(prompts))
+        except ClientDisconnected:
+            logger.info("%s: the client disconnected; request aborted", rid)
+            return
         except Exception as e:
-            err = _to_api_error(e)
-            yield b"data: " + _json.encode(_error_body(err.status, err.message, err.type)) + b"\n\n"
+            yield _sse_error(e)
         yield _SSE_DONE
 
     # ------------------------------------------------------------------ chat
@@ -396,7 +653,7 @@ class OpenAIServer:
         self.check_model(req.model)
         self.check_alive()
         params = req.sampling_params()
-        prompt = self._prompt_from_chat(req, params)
+        prompt = await self._prompt_from_chat(req, params)
         if req.stream:
             return _SSEResponse(self._stream_chat(req, prompt), self._start([prompt]))
         (handle,) = self._start([prompt])
@@ -409,7 +666,9 @@ class OpenAIServer:
         for c in prompt.final.outputs:
             lp = None
             if params.logprobs is not None and c.logprobs is not None:
-                lp = self._chat_logprobs(c, 0, len(c.token_ids), params.logprobs)
+                skip = params.skip_special_tokens
+                end = len(c.token_ids)
+                lp = self._chat_logprobs(c, end, _LogprobCursor(), skip, params.logprobs)
             choices.append(
                 {
                     "index": c.index,
@@ -440,53 +699,32 @@ class OpenAIServer:
                 p.request_id, "chat.completion.chunk", created, self.model_name, choices, usage
             )
 
+        # NOTE: the role chunk waits for the engine's first output (as vLLM's server does): a
+        # client times the first chunk as TTFT, and one sent at once measured only the frontend.
+        role: bytes | None = chunk(
+            [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None} for j in range(params.n)]
+        )  # fmt: skip
         try:
             p.choices = [_Choice() for _ in range(params.n)]
-            # The role comes first, before any token, as OpenAI does.
-            yield chunk(
-                [
-                    {
-                        "index": j,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for j in range(params.n)
-                ]
-            )
             async for out in self._run(p):
-                choices = []
-                for c in out.outputs:
-                    st = p.choices[c.index]
-                    if st.done:
-                        continue
-                    finish = _finish_reason(c)
-                    end = len(c.text) if finish else max(st.text_sent, len(c.text) - hold)
-                    delta = c.text[st.text_sent : end]
-                    if not delta and finish is None:
-                        continue
-                    lp = None
-                    ntok = len(c.token_ids)
-                    if params.logprobs is not None and c.logprobs is not None:
-                        lp = self._chat_logprobs(c, st.tokens_sent, ntok, params.logprobs)
-                        st.tokens_sent = ntok
-                    st.text_sent = end
-                    st.done = finish is not None
-                    choices.append(
-                        {
-                            "index": c.index,
-                            "delta": {"content": delta} if delta else {},
-                            "logprobs": lp,
-                            "finish_reason": finish,
-                        }
-                    )
-                if choices:
-                    yield chunk(choices)
+                choices = [
+                    d
+                    for c in out.outputs
+                    if (d := self._chat_delta(c, p.choices[c.index], hold, params))
+                ]
+                data = chunk(choices) if choices else b""
+                if role is not None:
+                    data, role = role + data, None  # one write: the role, then the first text
+                if data:
+                    yield data
             if req.include_usage:
                 yield chunk([], _usage([p]))
+        except ClientDisconnected:
+            logger.info("%s: the client disconnected; request aborted", p.request_id)
+            return
         except Exception as e:
-            err = _to_api_error(e)
-            yield b"data: " + _json.encode(_error_body(err.status, err.message, err.type)) + b"\n\n"
+            yield _sse_error(e)
         yield _SSE_DONE
 
     # ------------------------------------------------------------------ misc endpoints
@@ -514,10 +752,6 @@ class OpenAIServer:
 
 
 # --------------------------------------------------------------------------- async helpers
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away mid-stream (its requests are aborted)."""
 
 
 class _SSEResponse(Response):
@@ -671,6 +905,14 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Hot
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
         return error_response(e.status, e.message, e.type, e.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> Response:
+        """Routing errors (404 unknown path, 405 wrong method) in the OpenAI shape too."""
+        message = f"{e.detail}: {request.method} {request.url.path}"
+        response = error_response(e.status_code, message, "invalid_request_error")
+        response.headers.update(e.headers or {})  # 405 keeps its Allow header
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:

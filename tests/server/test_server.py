@@ -88,6 +88,55 @@ def test_chat(client: openai.OpenAI, model: str) -> None:
     assert text == r.choices[0].message.content
 
 
+def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
+    """Streamed logprobs add up to the non-streamed ones, text_offset included (echo, a stop
+    string that holds text back while streaming)."""
+    url = server.url + "/v1/completions"
+    body = {"model": model, "prompt": "The three primary colours are", "max_tokens": 16,
+            "temperature": 0}  # fmt: skip
+    base = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    stop = base[len(base) // 2 :][:3]  # inside the greedy text: it stops the request
+    body = {**body, "logprobs": 2, "stop": [stop], "echo": True}
+    whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["stop_reason"] == stop
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    chunks = [e["choices"][0] for e in events]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    streamed = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]]
+                for k in ("tokens", "text_offset", "token_logprobs")}  # fmt: skip
+    lp = whole["logprobs"]
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-3)
+    assert lp["text_offset"][0] == len(body["prompt"])  # offsets count the echoed prompt
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "Reply with only emojis: \U0001f600\U0001f389"}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert any(e.token.startswith("bytes:") for e in content), "no partial UTF-8 token"
+    assert all(e.bytes != [239, 191, 189] for e in content)  # U+FFFD's bytes, once for all
+    text = b"".join(bytes(e.bytes) for e in content if not e.token.startswith("<|"))
+    assert text.decode("utf-8", "replace") == r.choices[0].message.content
+
+
+def test_huge_prompt_is_refused_quickly(server, model: str) -> None:
+    """Refused for its length before it is tokenized: encoding 12 MB took 13 s, every other
+    stream and /health frozen meanwhile."""
+    huge = "word " * ((12 << 20) // 5)
+    for path, body in (
+        ("/v1/completions", {"prompt": huge, "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+    ):
+        t0 = time.monotonic()
+        r = httpx.post(server.url + path, json={"model": model, **body}, timeout=60)
+        assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5.0
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
     kw = dict(model=model, prompt="My favourite colour is", max_tokens=8, temperature=1.0, seed=7)
     a = client.completions.create(**kw, n=3)
@@ -160,6 +209,8 @@ def test_bad_json_unknown_model_and_openai_errors(server, client: openai.OpenAI)
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi " * 600)
     assert httpx.get(server.url + "/health").status_code == 200  # still serving
+    r = httpx.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and "/v1/nope" in r.json()["error"]["message"]
 
 
 def test_disconnect_aborts_request(server, model: str) -> None:
@@ -177,6 +228,9 @@ def test_disconnect_aborts_request(server, model: str) -> None:
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
     wait_idle(server, timeout=10.0)
+    # A client going away is routine: no error, no traceback in the log.
+    log = server.output()
+    assert "Traceback" not in log and "ERROR" not in log, log
 
 
 def test_metrics(server) -> None:
@@ -214,6 +268,9 @@ def test_bench_serve(server, tmp_path) -> None:
     assert rep["ttft_ms"]["p50"] < 30_000 and rep["tpot_ms"]["p50"] < 5_000
     assert rep["request_throughput"] > 0 and rep["output_tok_s"] > 0
     assert len(rep["runs"]) == 2 and png.stat().st_size > 1000
+    # Each run sends prompts of its own: the second found none of the first's in the cache.
+    assert [r["cached_prompt_tokens"] for r in rep["runs"]] == [0, 0]
+    assert rep["output_tokens_estimated"] == 0  # the server sent usage
 
 
 def test_shutdown_sigterm_leaves_nothing(server) -> None:
@@ -233,11 +290,20 @@ def test_engine_death_then_sigint(make_server) -> None:
     """A dead engine: /health and requests answer 503, the server stays up; SIGINT stops it."""
     srv = make_server(kv_cache_mib=16)
     (engine,) = srv.children
-    engine.kill()  # a zombie until the server reaps it at shutdown
+    body = {"prompt": "Go on and on.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        assert srv.metric("num_requests_running") == 1
+        engine.kill()  # a zombie until the server reaps it at shutdown
+        rest = [line for line in lines if line.startswith("data:")]
+    assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"  # the stream says why it ended
     deadline = time.monotonic() + 10
     while httpx.get(srv.url + "/health").status_code != 503:
         assert time.monotonic() < deadline, "health did not notice the dead engine"
         time.sleep(0.1)
+    # A dead engine runs nothing: the gauges must not keep the last values it reported.
+    assert srv.metric("num_requests_running") == 0 and srv.metric("engine_alive") == 0
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["message"]
     r = httpx.post(

@@ -1,5 +1,6 @@
 """Server pieces without a model: request -> SamplingParams mapping, stream hold-back,
-benchmark statistics, report and plot, the disconnect race and the AsyncLLM stream slot."""
+benchmark statistics, report and plot, the disconnect race, the AsyncLLM stream slot, metrics and
+the benchmark CLI."""
 
 from __future__ import annotations
 
@@ -173,39 +174,6 @@ def test_hot_routes_validate_and_pass_the_rest_to_the_app(monkeypatch) -> None:
         assert r.status_code == 413
 
 
-def test_serving_lifespan_freezes_the_startup_heap(monkeypatch) -> None:
-    """Once the engine is up, the server's startup heap leaves the collector's generations, so a
-    full collection no longer walks it (a 75-135 ms stall for every stream, see build_app)."""
-    import gc
-    import types
-
-    from starlette.testclient import TestClient
-
-    from shm_engine.engine.config import EngineConfig
-    from shm_engine.entrypoints import openai_server
-
-    class FakeEngine:
-        model_name = "m"
-        max_model_len = 64
-        tokenizer = None
-        on_finished = None
-        client = types.SimpleNamespace(ready=types.SimpleNamespace(num_kv_blocks=1))
-
-        async def shutdown(self) -> None:
-            pass
-
-    async def create(config, served_model_name=None):
-        return FakeEngine()
-
-    monkeypatch.setattr(openai_server.AsyncLLM, "create", staticmethod(create))
-    gc.unfreeze()
-    try:
-        with TestClient(openai_server.build_app(EngineConfig())):
-            assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
-
-
 def test_serve_flags_reach_the_engine_config() -> None:
     from shm_engine.engine.config import EngineConfig
     from shm_engine.entrypoints.cli import build_parser, serve_config
@@ -223,3 +191,128 @@ def test_serve_flags_reach_the_engine_config() -> None:
     assert default.max_num_seqs == engine.max_num_seqs
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         serve_config(build_parser().parse_args(["serve", "--long-prefill-token-threshold", "-1"]))
+
+
+def _sse(*events: dict | str) -> bytes:
+    return b"".join(
+        b"data: " + (e.encode() if isinstance(e, str) else json.dumps(e).encode()) + b"\n\n"
+        for e in events
+    )
+
+
+_CANNED = {
+    # Finishes on its first token without any text (a stop token, an EOS): still a success.
+    "/empty": _sse(
+        {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            },
+        },
+        "[DONE]",
+    ),  # fmt: skip
+    "/early": _sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]}),
+    "/no-usage": _sse(*({"choices": [{"index": 0, "text": t}]} for t in ("a", "", "b")), "[DONE]"),
+    "/nothing": _sse("[DONE]"),
+}
+
+
+def test_send_request_success_ttft_and_token_counts() -> None:
+    """vLLM's rules: any chunk with choices counts (TTFT at the first), latency at the last one;
+    a 200 stream must end with [DONE]; without usage, text chunks are counted and flagged."""
+    import aiohttp
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_CANNED[request.path])
+        return resp
+
+    async def go() -> dict[str, bench.RequestResult]:
+        app = web.Application()
+        app.router.add_post("/{name}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as client:
+                return {
+                    path: await bench.send_request(
+                        client, f"http://127.0.0.1:{port}{path}", {}, False, 0
+                    )
+                    for path in _CANNED
+                }
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(go())
+    empty = res["/empty"]
+    assert empty.ok and empty.ttft > 0 and empty.latency == empty.ttft and not empty.itl
+    assert (empty.output_tokens, empty.prompt_tokens, empty.cached_tokens) == (1, 3, 2)
+    assert empty.usage_reported
+    assert not res["/early"].ok and "stream ended early" in res["/early"].error
+    assert not res["/nothing"].ok and res["/nothing"].error
+    no_usage = res["/no-usage"]
+    assert no_usage.ok and no_usage.output_tokens == 2 and not no_usage.usage_reported
+    assert len(no_usage.itl) == 2  # gaps between all three chunks with choices
+    rep = bench.report(list(res.values()), 1.0, _args(), "m", 1, float("inf"))
+    assert rep["completed"] == 2 and rep["output_tokens_estimated"] == 1
+    assert rep["cached_prompt_tokens"] == 2
+
+
+def test_every_run_of_a_sweep_sends_prompts_of_its_own(tmp_path) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("same start, line one\nsame start, line two\n")
+    args = argparse.Namespace(dataset_path=str(f), num_prompts=4, seed=0)
+    runs = [[p for p, _ in bench.run_prompts(args, run)] for run in (0, 1)]
+    assert runs[0] == [p for p, _ in bench.run_prompts(args, 0)] != runs[1]  # deterministic
+    for run in runs:
+        # Each prompt of a run starts differently from every prompt of the other run, and the
+        # second pass over the file from the first: no prefix can be served from cache.
+        assert len({p.split(")")[0] for p in run}) == 2
+        assert run[0].endswith("line one") and run[2].endswith("line one")
+    assert not {p.split(")")[0] for p in runs[0]} & {p.split(")")[0] for p in runs[1]}
+    args = argparse.Namespace(
+        dataset_path=None, num_prompts=3, input_len=16, tokenizer=None, seed=0
+    )
+    a, b = bench.run_prompts(args, 0), bench.run_prompts(args, 1)
+    assert a == bench.run_prompts(args, 0) and not {p for p, _ in a} & {p for p, _ in b}
+    assert all(abs(n - 16) <= 2 for _, n in a + b)
+
+
+def test_metrics_of_a_dead_engine() -> None:
+    from shm_engine.engine.protocol import SchedulerStats
+    from shm_engine.entrypoints.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.5,
+                           prefix_cache_queries=64, prefix_cache_hits=16)  # fmt: skip
+    m.update_stats(stats, alive=True)
+    assert m.running._value.get() == 3
+    m.update_stats(stats, alive=False)  # the last stats the engine sent before it died
+    text = m.render().decode()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f'shm_engine_{name}{{model_name="m"}} 0.0' in text, name
+    assert 'shm_engine_prefix_cache_hits{model_name="m"} 16.0' in text  # totals stay
+    assert "(blocks)" not in text and "block lookups" not in text  # counted in tokens
+
+
+def test_bench_ipc_runs_from_any_directory(tmp_path) -> None:
+    """``shm-engine bench ipc`` imports the benchmark from the installed package, not the repo."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("shm-engine")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "shm_engine.entrypoints.cli"]
+    r = subprocess.run(
+        [*cmd, "bench", "ipc", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert "shm-engine bench ipc" in r.stdout and "--quick" in r.stdout

@@ -1,0 +1,339 @@
+"""The OpenAI server's protocol over a scripted engine: the real app (HotRoutes, FastAPI,
+OpenAIServer) with a fake AsyncLLM whose outputs a test writes, and a tiny byte-level tokenizer.
+No model: these cover what a live server cannot make deterministic (partial UTF-8 tokens, output
+timing) and what needs no generation (errors, prompt limits)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import threading
+import time
+import types
+from collections.abc import AsyncIterator
+
+import jinja2
+import pytest
+from starlette.testclient import TestClient
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
+from shm_engine.entrypoints import openai_server
+from shm_engine.entrypoints.async_engine import PromptTooLongError
+from shm_engine.entrypoints.metrics import ServerMetrics
+from shm_engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from shm_engine.sampling_params import SamplingParams
+
+EMOJI = "\U0001f600"  # F0 9F 98 80: two tokens of two bytes in the tiny vocabulary
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def tiny_tokenizer(chat_template: str = TEMPLATE) -> Tokenizer:
+    """Byte-level BPE: one token per byte (id = byte), the emoji's byte pairs merged, a special."""
+    to_char = {b: c for c, b in openai_server._gpt2_byte_decoder().items()}
+    vocab = {to_char[b]: b for b in range(256)}
+    pairs = [(to_char[0xF0], to_char[0x9F]), (to_char[0x98], to_char[0x80])]
+    for a, b in pairs:
+        vocab[a + b] = len(vocab)
+    backend = HFTokenizer(models.BPE(vocab, pairs))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|end|>", special=True)])
+    return Tokenizer(backend, eos_token_ids=[258], chat_template=chat_template)
+
+
+class FakeHandle:
+    def __init__(self, outputs: list[RequestOutput], delay: float) -> None:
+        self._outputs, self._delay = outputs, delay
+        self.stream = types.SimpleNamespace(fail=lambda e: None)
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        await asyncio.sleep(self._delay)
+        for out in self._outputs:
+            await asyncio.sleep(0)
+            yield out
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEngine:
+    """What OpenAIServer uses of AsyncLLM; ``script(ids, params)`` makes a request's outputs."""
+
+    model_name = "tiny"
+    dead_reason = None
+    is_dead = False
+    on_finished = None
+
+    def __init__(self, max_model_len: int = 64, tokenizer: Tokenizer | None = None) -> None:
+        self.tokenizer = tokenizer or tiny_tokenizer()
+        self.max_model_len = max_model_len
+        ready = types.SimpleNamespace(num_kv_blocks=1, vocab_size=self.tokenizer.vocab_size)
+        self.client = types.SimpleNamespace(ready=ready)
+        self.script = lambda ids, params: []
+        self.first_output_delay = 0.0
+        self.first_output_at: float | None = None
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"maximum context length is {self.max_model_len} tokens")
+
+    def add_request(self, text, ids, params, request_id) -> FakeHandle:
+        engine = self
+
+        class Timed(FakeHandle):
+            async def outputs(self):
+                async for out in super().outputs():
+                    engine.first_output_at = engine.first_output_at or time.monotonic()
+                    yield out
+
+        return Timed(self.script(ids, params), self.first_output_delay)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def serve_fake(monkeypatch, engine: FakeEngine) -> TestClient:
+    """A TestClient of the real app over ``engine``; ``engine.sent`` records (time, body) of
+    every body write (the TestClient hands the body over only once the response is complete)."""
+    app = openai_server.build_app(EngineConfig())
+    engine.sent = []
+
+    async def create(config, served_model_name=None):
+        return engine
+
+    async def recording(scope, receive, send):
+        async def record(msg):
+            if msg["type"] == "http.response.body" and msg.get("body"):
+                engine.sent.append((time.monotonic(), msg["body"]))
+            await send(msg)
+
+        await app(scope, receive, record)
+
+    monkeypatch.setattr(openai_server.AsyncLLM, "create", staticmethod(create))
+    client = TestClient(recording)
+    client.server = lambda: app.app.state.server  # type: ignore[attr-defined]
+    return client
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """(TestClient of the real app over a FakeEngine, the engine)."""
+    engine = FakeEngine()
+    with serve_fake(monkeypatch, engine) as client:
+        yield client, engine
+
+
+def replay(tok: Tokenizer, text: str, stop: str | None, lp: bool) -> list[RequestOutput]:
+    """Cumulative outputs of generating ``text`` token by token, as the OutputProcessor makes
+    them: text completed by the incremental detokenizer, cut at ``stop``, logprobs per token."""
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    c = CompletionOutput(0, "", [], logprobs=[] if lp else None)
+    outs = []
+    for k, tid in enumerate(ids):
+        c.token_ids.append(tid)
+        if lp:
+            c.logprobs.append({tid: -0.5, (tid + 1) % 256: -1.0 - k})
+        c.text += detok.add([tid])
+        last = k == len(ids) - 1
+        if last:
+            c.text += detok.flush()
+        if stop and stop in c.text:
+            c.text, c.finish_reason, c.stop_reason = c.text[: c.text.index(stop)], "stop", stop
+        elif last:
+            c.finish_reason = "length"
+        snap = CompletionOutput(0, c.text, list(c.token_ids), None,
+                                list(c.logprobs) if lp else None, c.finish_reason, c.stop_reason)  # fmt: skip
+        outs.append(RequestOutput("r", None, [1], [snap], finished=c.finish_reason is not None))
+        if c.finish_reason:
+            break
+    return outs
+
+
+def sse(r) -> list[dict]:
+    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+GEN = f"ab {EMOJI} cd{EMOJI}{EMOJI}ef STOP gh"
+
+
+def test_streamed_completion_logprobs_match_the_non_streamed(fake) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, GEN, "STOP", lp=True)
+    body = {"prompt": "hi", "max_tokens": 40, "logprobs": 1, "stop": "STOP", "echo": True}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [e["choices"][0] for e in sse(r)]
+    assert "".join(c["text"] for c in chunks) == whole["text"] == "hi" + GEN.split("STOP")[0]
+    lps = [c["logprobs"] for c in chunks if c["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in lps for x in lp[key]] == whole["logprobs"][key], key
+    lp = whole["logprobs"]
+    # Offsets index the echoed text, emoji halves included: both halves start at the emoji.
+    assert lp["text_offset"][0] == 2 and whole["text"][lp["text_offset"][1]] == "b"
+    halves = [i for i, t in enumerate(lp["tokens"]) if t.startswith("bytes:")]
+    assert [lp["tokens"][i] for i in halves[:2]] == ["bytes:\\xf0\\x9f", "bytes:\\x98\\x80"]
+    assert whole["text"][lp["text_offset"][halves[0]]] == EMOJI
+    assert lp["text_offset"][halves[0]] == lp["text_offset"][halves[1]]
+    # Distinct keys for the two halves: neither is lost to a shared U+FFFD key.
+    assert all(t in top for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
+
+
+def test_streamed_chat_logprobs_go_with_their_text(fake) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, GEN, "STOP", lp=True)
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+            "stop": ["STOP"], "stream": True}  # fmt: skip
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [e["choices"][0] for e in sse(r)]
+    for c in chunks:
+        if c["finish_reason"] is None and c["logprobs"]:
+            # A chunk's logprobs are those of the tokens its text is made of, byte for byte.
+            got = b"".join(bytes(e["bytes"]) for e in c["logprobs"]["content"])
+            assert got == c["delta"].get("content", "").encode()
+    content = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert len(content) == len(engine.tokenizer.encode(GEN.split("STOP")[0] + "STOP"))
+    emoji = [e for e in content if e["token"].startswith("bytes:")]
+    assert [e["bytes"] for e in emoji[:2]] == [[0xF0, 0x9F], [0x98, 0x80]]  # not U+FFFD's bytes
+
+
+def test_chat_role_chunk_waits_for_the_first_engine_output(fake) -> None:
+    client, engine = fake
+    engine.first_output_delay = 0.3
+    engine.script = lambda ids, params: replay(engine.tokenizer, "Hello", None, lp=False)
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        rest = b"".join(r.iter_raw())
+    (at, first), *_ = engine.sent
+    assert engine.first_output_at is not None and at >= engine.first_output_at
+    # The role and the first text leave in one write.
+    assert b'"role":"assistant"' in first and b'"content":"H' in first
+    events = [json.loads(x[6:]) for x in rest.split(b"\n\n") if x.startswith(b"data: {")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "Hello"
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(fake, monkeypatch) -> None:
+    client, engine = fake
+    server = client.server()
+    assert server.max_prompt_chars == 64 * len("<|end|>")  # the longest token, 7 bytes
+
+    encode, encode_batch = engine.tokenizer.encode, engine.tokenizer.encode_batch
+
+    def guard(text: str) -> None:
+        assert len(text) < 1000, "a prompt that cannot fit was tokenized"
+
+    def checked_encode(text, add_special_tokens=True):
+        guard(text)
+        return encode(text, add_special_tokens)
+
+    def checked_batch(texts, add_special_tokens=True):
+        for t in texts:
+            guard(t)
+        return encode_batch(texts, add_special_tokens)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", checked_encode)
+    monkeypatch.setattr(engine.tokenizer, "encode_batch", checked_batch)
+    huge = "x" * (8 << 20)
+    for path, body in (
+        ("/v1/completions", {"prompt": huge}),
+        ("/v1/completions", {"prompt": ["ok", huge]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+    ):
+        t0 = time.monotonic()
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "maximum context length" in err["message"], err
+        assert err["type"] == "invalid_request_error"
+        assert time.monotonic() - t0 < 5.0
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
+    engine = FakeEngine(max_model_len=1 << 20)
+    server = openai_server.OpenAIServer(engine, ServerMetrics("m"), "m")
+    tok = engine.tokenizer
+    threads: list[int] = []
+    encode, encode_batch = tok.encode, tok.encode_batch
+
+    def slow_batch(texts, add_special_tokens=True):
+        threads.append(threading.get_ident())
+        time.sleep(0.3)  # releases the GIL, as the Rust encode_batch does
+        return encode_batch(texts, add_special_tokens)
+
+    def fast(text, add_special_tokens=True):
+        threads.append(threading.get_ident())
+        return encode(text, add_special_tokens)
+
+    tok.encode, tok.encode_batch = fast, slow_batch
+
+    async def go() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        short = await server._encode("a" * openai_server.INLINE_TOKENIZE_CHARS)
+        assert threads == [threading.get_ident()] and len(short) > 0  # inline: no thread hop
+        ids = await server._encode("b" * (openai_server.INLINE_TOKENIZE_CHARS + 1))
+        assert threads[1] != threading.get_ident() and ids == encode("b" * 2049)
+        t.cancel()
+        return ticks
+
+    assert asyncio.run(go()) >= 10  # the loop kept running while the long prompt was encoded
+
+
+def test_chat_template_errors_are_400(monkeypatch) -> None:
+    template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    with serve_fake(monkeypatch, FakeEngine(tokenizer=tiny_tokenizer(template))) as client:
+        for stream in (False, True):
+            body = {"messages": [{"role": "system", "content": "x"}], "stream": stream}
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert "no system messages" in err["message"] and err["param"] == "messages"
+    broken = openai_server._to_api_error(jinja2.TemplateSyntaxError("unexpected end", 1))
+    assert broken.status == 500  # the server's template is broken: not the client's fault
+
+
+@pytest.mark.parametrize(
+    "method,path,status",
+    [("GET", "/nope", 404), ("POST", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+     ("DELETE", "/v1/models", 405), ("POST", "/health", 405)],
+)  # fmt: skip
+def test_unknown_routes_and_methods_are_openai_errors(fake, method, path, status) -> None:
+    client, _ = fake
+    r = client.request(method, path)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert path in err["message"] and err["type"] == "invalid_request_error"
+    if status == 405:
+        assert r.headers["allow"]
+
+
+def test_serving_lifespan_freezes_the_startup_heap(monkeypatch) -> None:
+    """Once the engine is up, the server's startup heap leaves the collector's generations, so a
+    full collection no longer walks it (a 75-135 ms stall for every stream, see build_app)."""
+    gc.unfreeze()
+    try:
+        with serve_fake(monkeypatch, FakeEngine()):
+            assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
