@@ -61,6 +61,14 @@ class ModelRunner:
         self.block_size = config.block_size
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.model.kv_dtype)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        trained = loaded.config.max_position_embeddings
+        if config.max_model_len and config.max_model_len > trained:
+            # The RoPE table (and the model's training) end there: positions past it would
+            # come out wrong without an error.
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context length "
+                f"({trained} positions)"
+            )
         # NOTE: never longer than the whole cache holds: a lone sequence that outgrew the cache
         # would preempt itself and be readmitted forever.
         self.max_model_len = min(

@@ -56,6 +56,7 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self.inv_freq()  # an unsupported rope_scaling fails here, not after packing the weights
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -118,6 +119,7 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        _check_hf_features(cfg, arch)
         sliding = cfg.get("sliding_window")
         if arch == "qwen2" and not cfg.get("use_sliding_window", False):
             sliding = None
@@ -264,3 +266,19 @@ def _llama3_scale(inv: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _check_hf_features(cfg: Mapping[str, Any], arch: str) -> None:
+    """Refuse config.json features this forward does not compute, rather than ignore them.
+
+    Why: a checkpoint with, e.g., MLP biases would load (the extra tensors unread) and silently
+    compute a different function.
+    """
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise NotImplementedError(f"hidden_act {act!r} is not supported (only SiLU)")
+    if cfg.get("mlp_bias"):
+        raise NotImplementedError("mlp_bias=true (biases on the MLP projections) is not supported")
+    if arch != "qwen2" and cfg.get("attention_bias"):
+        # Llama/Mistral put the bias on o_proj too; only Qwen2's q/k/v-only bias is computed.
+        raise NotImplementedError("attention_bias=true on a Llama/Mistral model is not supported")

@@ -224,18 +224,20 @@ class GGUFWeights(WeightSource):
         self.reader = reader
         self.config = config
         self._tensors: dict[str, ReaderTensor] = {}
+        unknown = []
         for t in reader.tensors:
             name = hf_name(t.name)
             if name is None:
                 if t.name not in _IGNORED:
-                    log.warning("GGUF tensor %s is not used", t.name)
+                    unknown.append(t.name)
                 continue
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             self._tensors[name] = t
-        from .loader import expected_weight_names
+        from .loader import check_unused_tensors, expected_weight_names
 
         order = expected_weight_names(config)
+        check_unused_tensors([*unknown, *self._tensors], order, config)
         super().__init__([n for n in order if n in self._tensors])
         self._permute = config.architecture in _PERMUTED_QK_ARCHS
 

@@ -18,6 +18,7 @@ from .config import ModelConfig
 from .loader import (
     LoadedModel,
     WeightSource,
+    check_unused_tensors,
     check_weight_names,
     expected_weight_names,
     file_fingerprint,
@@ -34,6 +35,7 @@ class SafetensorsWeights(WeightSource):
         self._files = files  # tensor name -> shard
         self._handles: dict[Path, object] = {}
         names = expected_weight_names(config)
+        check_unused_tensors(files, names, config)
         super().__init__([n for n in names if n in files])
 
     def _handle(self, path: Path):  # noqa: ANN202 - safetensors has no public handle type

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +109,32 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
+
+
+_HARMLESS_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed from the config
+
+
+def check_unused_tensors(
+    names: Iterable[str], expected: Sequence[str], config: ModelConfig
+) -> None:
+    """Raise if a checkpoint holds tensors the forward would not read.
+
+    Why: an unread tensor means the checkpoint computes something this model does not (an
+    o_proj or MLP bias, an extra norm), so its outputs would silently differ.
+    """
+    wanted = set(expected)
+    unused = [
+        n
+        for n in names
+        if n not in wanted
+        and not n.endswith(_HARMLESS_SUFFIXES)
+        and not (n == "lm_head.weight" and config.tie_word_embeddings)  # a copy of the embedding
+    ]
+    if unused:
+        shown = ", ".join(sorted(unused)[:5]) + (" ..." if len(unused) > 5 else "")
+        raise NotImplementedError(
+            f"the checkpoint has {len(unused)} tensors this model does not use: {shown}"
+        )
 
 
 def file_fingerprint(paths: Sequence[Path]) -> str:

@@ -103,8 +103,13 @@ class TorchLlama:
             vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
             qb = q[s:e].transpose(0, 1)  # [H, n, D]
             n = e - s
-            # Query j sits at position seq_len - n + j and sees keys 0 .. that position.
-            mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
+            # Query j sits at position seq_len - n + j and sees keys 0 .. that position (within
+            # the sliding window, if the model has one).
+            k_idx = torch.arange(seq_len)[None, :]
+            q_idx = torch.arange(seq_len - n, seq_len)[:, None]
+            mask = k_idx <= q_idx
+            if c.sliding_window is not None:
+                mask &= k_idx > q_idx - c.sliding_window
             o = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask)
             out[s:e] = o.transpose(0, 1)
         return out

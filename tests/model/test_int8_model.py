@@ -89,6 +89,14 @@ def test_int8_matches_reference_on_mixed_paged_batches(overrides):
             assert rel_err(o, e) < bound, (type(model).__name__, rel_err(o, e))
 
 
+def test_fp32_path_honours_the_sliding_window():
+    config, weights = random_model(architecture="mistral", sliding_window=8)
+    ids = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    expected = ReferenceModel(config, weights).forward(ids)
+    got = paged_logits(TorchLlama(config, weights), config, [ids.tolist()], [[24]])[0]
+    assert rel_err(got, expected) < 1e-4  # past position 8 too
+
+
 def test_int8_kv_cache_matches_reference_and_fp16_cache():
     """An int8 cache on the tiny model: within the int8 weights' bound of the reference, and
     close to the same model over an fp16 cache (what the cache's rounding alone costs)."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
+from safetensors.torch import save_file
 
 from shm_engine.model import default_model
 from shm_engine.model.config import ModelConfig
@@ -136,6 +137,47 @@ def test_missing_tensor_is_reported(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json())
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_model(tmp_path)
+
+
+def test_a_tensor_the_model_would_not_read_is_refused(tmp_path: Path) -> None:
+    # e.g. an o_proj bias: loading it "fine" would compute a different function.
+    config = tiny_config()
+    save_hf_model(tmp_path, config, tiny_weights(config))
+    extra = {
+        "model.layers.0.self_attn.o_proj.bias": torch.ones(config.hidden_size),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),  # harmless
+    }
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json())
+    with pytest.raises(NotImplementedError, match=r"1 tensors .*o_proj\.bias"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"mlp_bias": True}, {"hidden_act": "gelu"}, {"attention_bias": True}],
+    ids=["mlp-bias", "gelu", "llama-attention-bias"],
+)
+def test_config_features_the_forward_lacks_are_refused(extra: dict) -> None:
+    cfg = {**tiny_config().to_hf_config(), **extra}
+    with pytest.raises(NotImplementedError):
+        ModelConfig.from_hf_config(cfg)
+
+
+def test_an_unsupported_rope_scaling_fails_at_parse_time() -> None:
+    cfg = {**tiny_config().to_hf_config(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(NotImplementedError, match="yarn"):
+        ModelConfig.from_hf_config(cfg)
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(tmp_path: Path) -> None:
+    from shm_engine.engine.config import EngineConfig
+    from shm_engine.engine.model_runner import ModelRunner
+
+    config = tiny_config(max_position_embeddings=64)
+    path = write_tiny_gguf(tmp_path / "m.gguf", config, tiny_weights(config))
+    with pytest.raises(ValueError, match="exceeds the model's context length"):
+        ModelRunner(EngineConfig(model=str(path), max_model_len=65, num_kv_blocks=16))
 
 
 def test_fingerprint_is_content_based(tmp_path: Path) -> None:
