@@ -30,8 +30,13 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
     1, 7
 )
 
-# Pre-tokenizer split patterns for the `tokenizer.ggml.pre` names we know (same regexes as the
-# models' own tokenizer.json files).
+# Split regexes of the byte-level BPE pre-tokenizers, transcribed from llama.cpp's
+# src/llama-vocab.cpp (llm_tokenizer_bpe, LLAMA_VOCAB_PRE_TYPE_*): each is applied in turn as an
+# isolated Split (as llama.cpp's unicode_regex_split and the models' own tokenizer.json do), then
+# the byte-level mapping. Where llama.cpp rewrites a tokenizer.json regex for its own regex engine
+# (the case-insensitive contraction group of Llama 3 / Qwen2, Tekken's \p{Lu}.. classes), we use
+# the original it records beside the rewrite, which `tokenizers` runs natively like the model's own
+# tokenizer.json does.
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -40,10 +45,70 @@ _QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_GPT2_PRE = {"gpt-2", "gpt2", "default", "olmo", "jais", "poro-chat", "viking"}
-_DIGITS_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
-_LLAMA3_PRE = {"llama-bpe", "llama3", "dbrx", "smaug-bpe"}
-_QWEN2_PRE = {"qwen2", "qwen"}
+# LLAMA_VOCAB_PRE_TYPE_TEKKEN (Mistral-Nemo), the "original regex from tokenizer.json"
+_TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_LLM. Non-ASCII code points are written as escapes: several of them
+# (U+1F7D, U+1FBE, U+1FD3, U+1FDB, U+2126, U+212A) have canonical equivalents that an editor's
+# Unicode normalization would silently substitute (turning "\u212A-\u212D" into "K-\u212D").
+_DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LLM_PATTERNS = (
+    "[\r\n]",
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd"
+    "\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4"
+    "\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+    "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128"
+    "\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b"
+    "\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787"
+    "\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "\\s+$",
+    _DEEPSEEK_CJK,
+    "\\p{N}+",
+)
+# LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_CODER
+_DEEPSEEK_CODER_PATTERNS = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", _DEEPSEEK_CJK, "\\p{N}")
+
+# `tokenizer.ggml.pre` name -> pre-tokenizer family, as llama.cpp's llama_vocab::impl::load maps
+# the names (plus our historical "gpt2" and "qwen"). llama.cpp refuses to load any other name, and
+# so do we: a wrong split tokenizes plausibly but differently from the model's training.
+#   gpt2:   the GPT-2 split (ByteLevel's own regex; llama.cpp has regexes of its own for
+#           "poro-chat", "viking" and "default", not reproduced here)
+#   digits: single digits, then the GPT-2 split (SmolLM2, StarCoder, ...)
+#   others: the Split regexes in _PRE_SPLITS
+_PRE_FAMILY: dict[str, str] = {
+    **dict.fromkeys(("default", "gpt-2", "gpt2", "olmo", "jais", "poro-chat", "viking"), "gpt2"),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"),
+        "digits",
+    ),
+    **dict.fromkeys(
+        ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe"), "llama3"
+    ),
+    **dict.fromkeys(("qwen2", "qwen", "deepseek-r1-qwen", "megrez"), "qwen2"),
+    "tekken": "tekken",
+    "deepseek-llm": "deepseek-llm",
+    "deepseek-coder": "deepseek-coder",
+}
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "llama3": (_LLAMA3_PATTERN,),
+    "qwen2": (_QWEN2_PATTERN,),
+    "tekken": (_TEKKEN_PATTERN,),
+    "deepseek-llm": _DEEPSEEK_LLM_PATTERNS,
+    "deepseek-coder": _DEEPSEEK_CODER_PATTERNS,
+}
+# families whose BPE first looks a whole pre-token up in the vocabulary (llama.cpp ignore_merges)
+_IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
+# names for which llama.cpp adds BOS when the GGUF has no tokenizer.ggml.add_bos_token
+_ADD_BOS_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "tekken"})
 
 
 class Tokenizer:
@@ -115,8 +180,10 @@ class Tokenizer:
         types: list[int] = list(
             meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         )
+        pre: str | None = None  # the byte-level BPE pre-tokenizer name
         if kind == "gpt2":
-            backend = _gguf_bpe(tokens, list(meta.get("tokenizer.ggml.merges") or []), meta)
+            pre = _gguf_pre(meta)
+            backend = _gguf_bpe(tokens, list(meta.get("tokenizer.ggml.merges") or []), pre)
         elif kind == "llama":
             backend = _gguf_spm(tokens, list(meta.get("tokenizer.ggml.scores") or []), types, meta)
         else:
@@ -132,7 +199,10 @@ class Tokenizer:
             backend.add_tokens(added)
 
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        # without the key, llama.cpp adds BOS for SentencePiece files and some BPE families
+        add_bos = bool(
+            meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _ADD_BOS_PRE)
+        )
         if add_bos and bos is not None:
             bos_tok = tokens[int(bos)]
             backend.post_processor = processors.TemplateProcessing(
@@ -304,31 +374,47 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def _gguf_bpe(tokens: list[str], merges: list[str], meta: Mapping[str, Any]) -> HFTokenizer:
+def _gguf_pre(meta: Mapping[str, Any]) -> str:
+    """The `tokenizer.ggml.pre` name of a byte-level BPE file; NotImplementedError if unknown."""
+    if "tokenizer.ggml.pre" not in meta:
+        log.warning("GGUF file has no tokenizer.ggml.pre; using the GPT-2 split ('default')")
+        return "default"
+    pre = str(meta["tokenizer.ggml.pre"])
+    if pre not in _PRE_FAMILY:
+        raise NotImplementedError(
+            f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; known: "
+            + ", ".join(sorted(_PRE_FAMILY))
+        )
+    return pre
+
+
+def _gguf_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
     """Byte-level BPE (GPT-2 family): vocab + merges, pre-tokenizer chosen by tokenizer.ggml.pre."""
+    family = _PRE_FAMILY[pre]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    ignore_merges = family in _IGNORE_MERGES_FAMILIES
     backend = HFTokenizer(
-        models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE)  # type: ignore[arg-type]
+        models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=ignore_merges)  # type: ignore[arg-type]
     )
-    byte_level_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    byte_level_plain = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _DIGITS_PRE:
+    if family == "gpt2":
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif family == "digits":
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level_regex]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
-    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
-        pattern = _LLAMA3_PATTERN if pre in _LLAMA3_PRE else _QWEN2_PATTERN
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), byte_level_plain]
-        )
-        if pre in _QWEN2_PRE:
-            backend.normalizer = normalizers.NFC()
     else:
-        if pre not in _GPT2_PRE:
-            log.warning("unknown GGUF pre-tokenizer %r; using the GPT-2 split", pre)
-        backend.pre_tokenizer = byte_level_regex
+        splits: list[pre_tokenizers.PreTokenizer] = [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+            for pattern in _PRE_SPLITS[family]
+        ]
+        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        if family == "qwen2":
+            backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
     return backend
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+import unicodedata
 
 import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Regex, pre_tokenizers
 
 from shm_engine.model.loader import LoadedModel
-from shm_engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from shm_engine.model.tokenizer import _DEEPSEEK_LLM_PATTERNS, IncrementalDetokenizer, Tokenizer
 
 from .conftest import tiny_tokenizer_metadata
 
@@ -183,3 +187,133 @@ def test_sentencepiece_gguf_tokenizer() -> None:
     assert ids == [1, pieces.index("▁a"), pieces.index("<0x0A>")]
     assert tok.decode(ids) == "a\n"
     assert tok.encode("b", add_special_tokens=False) == [pieces.index("▁"), pieces.index("b")]
+
+
+# ---------------------------------------------------------------- GGUF pre-tokenizers (llama.cpp)
+PRE_TEXT = "Total: 12345 items\n\n  HELLO'S world, it's camelCase x[y\r\nÉté 北京"
+LLAMA3_PIECES = ["Total", ":", " ", "123", "45", " items", "\n\n", " ", " HELLO", "'S", " world"]
+LLAMA3_PIECES += [",", " it", "'s", " camelCase", " x", "[y", "\r\n", "Été", " 北京"]
+QWEN2_PIECES = LLAMA3_PIECES[:3] + ["1", "2", "3", "4", "5"] + LLAMA3_PIECES[5:]
+
+
+def _tiny_tok(pre: str) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(pre))
+
+
+def _pre_pieces(pre: str, text: str = PRE_TEXT) -> list[str]:
+    """The pre-tokenizer's pieces of `text` (as text, before the byte-level mapping)."""
+    tok = _tiny_tok(pre)
+    assert tok.backend.pre_tokenizer is not None
+    return [text[a:b] for _, (a, b) in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize(
+    ("alias", "canonical"),
+    [
+        ("deepseek-r1-qwen", "qwen2"),
+        ("megrez", "qwen2"),
+        ("llama3", "llama-bpe"),
+        ("llama-v3", "llama-bpe"),
+        ("falcon3", "llama-bpe"),
+        ("pixtral", "llama-bpe"),
+        ("minerva-7b", "smollm"),
+    ],
+)
+def test_pre_tokenizer_alias_matches_canonical(alias: str, canonical: str) -> None:
+    """llama.cpp's aliases build the very pipeline of their canonical name, not the GPT-2 split."""
+    pieces = _pre_pieces(alias)
+    assert pieces == _pre_pieces(canonical)
+    assert pieces != _pre_pieces("gpt-2")
+    expected = {"qwen2": QWEN2_PIECES, "llama-bpe": LLAMA3_PIECES}.get(canonical)
+    if expected is not None:
+        assert pieces == expected
+    # normalizer, BPE options (ignore_merges) and pre-tokenizer all identical
+    a, c = _tiny_tok(alias), _tiny_tok(canonical)
+    assert a.backend.to_str() == c.backend.to_str()
+    assert a.encode(PRE_TEXT) == c.encode(PRE_TEXT)
+
+
+def test_tekken_pre_tokenizer() -> None:
+    # Mistral-Nemo: Qwen2-like digits, but a case change inside a word starts a new piece
+    i = QWEN2_PIECES.index(" camelCase")
+    assert _pre_pieces("tekken") == [*QWEN2_PIECES[:i], " camel", "Case", *QWEN2_PIECES[i + 1 :]]
+    # llama.cpp runs a rewrite of the tokenizer.json regex (its engine lacks \p{Lu} etc.); on
+    # text without non-ASCII cased letters or combining marks the two split alike
+    llama_cpp = (
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+        r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    split = pre_tokenizers.Split(Regex(llama_cpp), behavior="isolated")
+    text = PRE_TEXT.replace("Été", "Ete")
+    assert _pre_pieces("tekken", text) == [text[a:b] for _, (a, b) in split.pre_tokenize_str(text)]
+    assert json.loads(_tiny_tok("tekken").backend.to_str())["model"]["ignore_merges"] is True
+
+
+def test_deepseek_pre_tokenizers() -> None:
+    """llama.cpp's DEEPSEEK_LLM / DEEPSEEK_CODER: several regexes, each splitting every piece."""
+    assert _pre_pieces("deepseek-llm") == [
+        *["Total", ":", " ", "12345", " items", "\n", "\n", " ", " HELLO", "'", "S", " world"],
+        *[",", " it", "'", "s", " camelCase", " x", "[", "y", "\r", "\n"],
+        # the punctuation class ":-~" spans the ASCII letters too, so it splits "Été" at "t"
+        *["É", "t", "é", " ", "北京"],
+    ]
+    assert _pre_pieces("deepseek-coder") == [
+        *["Total", ":", " ", "1", "2", "3", "4", "5", " items", "\n", "\n", " ", " HELLO", "'"],
+        *["S", " world", ",", " it", "'", "s", " camelCase", " x", "[", "y", "\r", "\n", "Été"],
+        *[" ", "北京"],
+    ]
+    # the letter class keeps code points that Unicode normalization would replace: U+212A KELVIN
+    # SIGN starts the range U+212A-U+212D, which as "K-\u212d" would also take "[" (so " a[b"
+    # would stay one piece)
+    letters = _DEEPSEEK_LLM_PATTERNS[1]
+    assert "\u2124\u2126\u2128\u212a-\u212d" in letters
+    assert unicodedata.normalize("NFC", letters) != letters
+    assert _pre_pieces("deepseek-llm", " a[b") == [" a", "[", "b"]
+    # (and its "CJK" class U+0800-U+4E00 spans the letterlike symbols, so these lose their space)
+    assert _pre_pieces("deepseek-llm", " \u212a\u2126 a") == [" ", "\u212a\u2126", " a"]
+
+
+# llama.cpp calls Minerva's "minerva-7b"; gpt-4o and chameleon are llama.cpp names we lack
+@pytest.mark.parametrize("pre", ["minerva", "no-such-pre", "gpt-4o", "chameleon"])
+def test_unknown_pre_tokenizer_raises(pre: str) -> None:
+    """An unknown tokenizer.ggml.pre is refused (as llama.cpp does), not split like GPT-2."""
+    with pytest.raises(NotImplementedError, match=f"pre-tokenizer '{pre}'"):
+        Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(pre))
+
+
+def test_missing_pre_tokenizer_uses_gpt2_split(caplog: pytest.LogCaptureFixture) -> None:
+    meta = tiny_tokenizer_metadata()
+    del meta["tokenizer.ggml.pre"]
+    with caplog.at_level(logging.WARNING, logger="shm_engine.model.tokenizer"):
+        tok = Tokenizer.from_gguf_metadata(meta)
+    assert "no tokenizer.ggml.pre" in caplog.text
+    assert tok.backend.to_str() == _tiny_tok("gpt-2").backend.to_str()
+
+
+@pytest.mark.parametrize(
+    ("pre", "add_bos"),
+    [
+        ("llama-bpe", True),
+        ("llama3", True),
+        ("llama-v3", True),
+        ("falcon3", True),
+        ("pixtral", True),
+        ("tekken", True),
+        ("dbrx", False),
+        ("qwen2", False),
+        ("smollm", False),
+        ("deepseek-llm", False),
+    ],
+)
+def test_add_bos_default_without_key(pre: str, add_bos: bool) -> None:
+    """Without tokenizer.ggml.add_bos_token, BOS is added as llama.cpp does for the family."""
+    meta = tiny_tokenizer_metadata(pre)
+    del meta["tokenizer.ggml.add_bos_token"]
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.add_bos_token is add_bos
+    body = tok.encode("hi", add_special_tokens=False)
+    assert tok.encode("hi") == ([1] if add_bos else []) + body
+    # the key, when present, wins either way
+    meta["tokenizer.ggml.add_bos_token"] = not add_bos
+    assert Tokenizer.from_gguf_metadata(meta).encode("hi") == ([] if add_bos else [1]) + body
