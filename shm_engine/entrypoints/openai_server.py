@@ -16,12 +16,9 @@ non-streaming ones race the generation against ``http.disconnect``.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import gc
-import json
 import logging
-import re
 import signal
 import time
 import uuid
@@ -42,8 +39,8 @@ from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
 from shm_engine.entrypoints.async_engine import AsyncLLM, PromptTooLongError, RequestHandle
 from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from shm_engine.entrypoints.openai_logprobs import LogprobCursor, LogprobFormatter, TokenTable
 from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from shm_engine.model.tokenizer import Tokenizer
 from shm_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -101,131 +98,7 @@ def _to_api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
-# --------------------------------------------------------------------------- tokens
-
-
-# Prompts longer than this (characters) are tokenized in a worker thread. Shorter ones encode
-# in ~1 ms inline: a thread hop would cost more than that in the 2 ms TTFT budget of the frontend.
-INLINE_TOKENIZE_CHARS = 2048
-
-_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Byte-level BPE's alphabet, char -> byte (the inverse of GPT-2's ``bytes_to_unicode``)."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {chr(b): b for b in printable}  # printable bytes stand for themselves
-    others = [b for b in range(256) if b not in table.values()]
-    table.update({chr(256 + n): b for n, b in enumerate(others)})
-    return table
-
-
-def _decoder_types(tokenizer: Tokenizer) -> set[str]:
-    """The ``type`` of the tokenizer's decoder and of every decoder nested in it."""
-    decoder = tokenizer.backend.decoder
-    if decoder is None:
-        return set()
-    types: set[str] = set()
-    todo = [json.loads(decoder.__getstate__())]
-    while todo:
-        d = todo.pop()
-        types.add(d.get("type", ""))
-        todo += d.get("decoders") or []
-    return types
-
-
-def _vocab_bytes(tokenizer: Tokenizer) -> list[bytes]:
-    """Every token's own bytes, by id.
-
-    Why: decoding one token is lossy. A byte-level token that holds part of a UTF-8 sequence
-    decodes to U+FFFD, so every emoji piece looked alike (chat ``bytes`` [239, 191, 189]) and
-    collided as a completions ``top_logprobs`` key. The bytes come from the vocabulary instead:
-    byte-level pieces through GPT-2's byte alphabet, SentencePiece pieces with ``<0xNN>`` byte
-    fallback and U+2581 for a space, added tokens as their text. Other decoders fall back to the
-    single-token decode.
-    """
-    backend = tokenizer.backend
-    size = tokenizer.vocab_size
-    types = _decoder_types(tokenizer)
-    added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-    byte_level = _gpt2_byte_decoder() if "ByteLevel" in types else None
-    spm = byte_level is None and bool(types & {"ByteFallback", "Metaspace", "Replace"})
-    decoded = None
-    if byte_level is None and not spm:
-        decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
-    out = []
-    for i in range(size):
-        piece = backend.id_to_token(i)
-        if i in added or piece is None:
-            out.append((added.get(i) or piece or "").encode())
-        elif byte_level is not None and all(ch in byte_level for ch in piece):
-            out.append(bytes(byte_level[ch] for ch in piece))
-        elif spm:
-            m = _SPM_BYTE.fullmatch(piece)
-            out.append(bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode())
-        else:
-            out.append((decoded[i] if decoded else backend.decode([i], False)).encode())
-    return out
-
-
-class TokenTable:
-    """Per-token bytes and strings for logprobs, and the prompt size no context can hold.
-
-    Built once per server (~0.1 s for a 49k vocabulary); lookups are list indexing.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.bytes = _vocab_bytes(tokenizer)
-        added = tokenizer.backend.get_added_tokens_decoder()
-        # What decode(skip_special_tokens=True), hence the streamed text, leaves out.
-        self.special = frozenset(i for i, t in added.items() if t.special)
-        # NOTE: bytes bound characters: a token covers at most as many characters of a prompt as
-        # it has bytes (one per character at the least, and a SentencePiece piece's U+2581 is
-        # the space it stands for). Decoded lengths are not a bound: SentencePiece decoding
-        # strips a token's leading space.
-        self.max_token_chars = max(1, max(map(len, self.bytes), default=1))
-        self._strings: dict[int, str] = {}
-
-    def token_bytes(self, tid: int) -> bytes:
-        return self.bytes[tid] if 0 <= tid < len(self.bytes) else b""
-
-    def text_bytes(self, tid: int, skip_special: bool) -> bytes:
-        """The bytes a token adds to the output text (special tokens may be skipped)."""
-        return b"" if skip_special and tid in self.special else self.token_bytes(tid)
-
-    def string(self, tid: int) -> str:
-        """The token as text; ``bytes:\\xNN..`` (OpenAI's notation) if it is not valid UTF-8."""
-        s = self._strings.get(tid)
-        if s is None:
-            b = self.token_bytes(tid)
-            try:
-                s = b.decode()
-            except UnicodeDecodeError:
-                s = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
-            self._strings[tid] = s
-        return s
-
-
 # --------------------------------------------------------------------------- per-request state
-
-
-def _utf8_decoder() -> codecs.IncrementalDecoder:
-    return codecs.getincrementaldecoder("utf-8")("replace")
-
-
-@dataclass
-class _LogprobCursor:
-    """How far one choice's logprobs have been reported.
-
-    ``offset`` is the next token's ``text_offset``: characters of the echoed prompt plus those the
-    reported tokens' bytes complete (a token holding the first half of a character adds none).
-    Streaming and non-streaming both advance one of these token by token, so they agree.
-    """
-
-    tokens: int = 0
-    text_bytes: int = 0  # UTF-8 bytes of output text the reported tokens make up
-    offset: int = 0
-    utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder)
 
 
 @dataclass
@@ -235,7 +108,7 @@ class _Choice:
     text_sent: int = 0
     text_bytes_sent: int = 0  # UTF-8 length of the text sent; kept only with logprobs
     done: bool = False
-    lp: _LogprobCursor = field(default_factory=_LogprobCursor)
+    lp: LogprobCursor = field(default_factory=LogprobCursor)
 
 
 @dataclass
@@ -299,6 +172,10 @@ def _finish_reason(c: CompletionOutput) -> str | None:
 
 # --------------------------------------------------------------------------- the server
 
+# Prompts longer than this (characters) are tokenized in a worker thread. Shorter ones encode
+# in ~1 ms inline: a thread hop would cost more than that in the 2 ms TTFT budget of the frontend.
+INLINE_TOKENIZE_CHARS = 2048
+
 
 class OpenAIServer:
     """Turns OpenAI requests into AsyncLLM requests and outputs into OpenAI responses."""
@@ -310,6 +187,7 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
         self.tokens = TokenTable(engine.tokenizer)
+        self.logprobs = LogprobFormatter(self.tokens)
         # A longer prompt cannot fit in the context, however it tokenizes.
         self.max_prompt_chars = engine.max_model_len * self.tokens.max_token_chars
 
@@ -429,80 +307,6 @@ class OpenAIServer:
 
         await asyncio.gather(*(one(p) for p in prompts))
 
-    # ------------------------------------------------------------------ logprobs
-
-    def _advance(self, cur: _LogprobCursor, tid: int, skip_special: bool) -> int:
-        """The ``text_offset`` of the cursor's next token, ``tid``; moves the cursor past it."""
-        offset = cur.offset
-        b = self.tokens.text_bytes(tid, skip_special)
-        cur.offset += len(cur.utf8.decode(b))
-        cur.text_bytes += len(b)
-        cur.tokens += 1
-        return offset
-
-    def _top_dict(self, lps: dict[int, float]) -> dict[str, float]:
-        """Completions' ``{token: logprob}``, keyed by token string as OpenAI and vLLM do.
-
-        Tokens that are not whole UTF-8 get distinct ``bytes:\\xNN`` keys, so pieces of emoji no
-        longer collapse into one U+FFFD entry; ids whose strings still coincide keep the higher
-        logprob (the first one on a tie).
-        """
-        top: dict[str, float] = {}
-        for tid, lp in sorted(lps.items(), key=lambda kv: -kv[1]):
-            top.setdefault(self.tokens.string(tid), lp)
-        return top
-
-    def _completion_logprobs(
-        self, c: CompletionOutput, end: int, cur: _LogprobCursor, skip_special: bool
-    ) -> dict[str, Any]:
-        """Logprobs of tokens ``cur.tokens:end`` in the completions shape."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        start = cur.tokens
-        for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
-            tokens.append(self.tokens.string(tid))
-            token_lps.append(lps.get(tid))
-            tops.append(self._top_dict(lps))
-            offsets.append(self._advance(cur, tid, skip_special))
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def _chat_entry(self, tid: int, lp: float | None) -> dict[str, Any]:
-        b = self.tokens.token_bytes(tid)
-        return {"token": self.tokens.string(tid), "logprob": lp, "bytes": list(b)}
-
-    def _chat_logprobs(
-        self, c: CompletionOutput, end: int, cur: _LogprobCursor, skip_special: bool, top_n: int
-    ) -> dict[str, Any]:
-        """Logprobs of tokens ``cur.tokens:end`` in the chat shape."""
-        content = []
-        start = cur.tokens
-        for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
-            self._advance(cur, tid, skip_special)
-            top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
-            entry = self._chat_entry(tid, lps.get(tid))
-            entry["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in top]
-            content.append(entry)
-        return {"content": content}
-
-    def _tokens_covered(self, c: CompletionOutput, st: _Choice, skip_special: bool) -> int:
-        """How many tokens the text sent so far is made of: their logprobs go out with it.
-
-        NOTE: counted in UTF-8 bytes, not characters: a byte-level token may hold part of a
-        character, whose text is held back until the character is complete.
-        """
-        ids = c.token_ids
-        n, size = st.lp.tokens, st.lp.text_bytes
-        while n < len(ids):
-            size += len(self.tokens.text_bytes(ids[n], skip_special))
-            if size > st.text_bytes_sent:
-                break
-            n += 1
-        return n
-
     def _next_delta(
         self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
     ) -> tuple[str, str | None, int] | None:
@@ -524,7 +328,11 @@ class OpenAIServer:
         if params.logprobs is not None and c.logprobs is not None:
             st.text_bytes_sent += len(delta.encode())
             skip = params.skip_special_tokens
-            ntok = len(c.token_ids) if st.done else self._tokens_covered(c, st, skip)
+            ntok = (
+                len(c.token_ids)
+                if st.done
+                else self.logprobs.tokens_covered(c, st.lp, st.text_bytes_sent, skip)
+            )
         return delta, finish, ntok
 
     def _completion_delta(
@@ -537,7 +345,7 @@ class OpenAIServer:
         delta, finish, ntok = step
         lp = None
         if params.logprobs is not None and c.logprobs is not None:
-            lp = self._completion_logprobs(c, ntok, st.lp, params.skip_special_tokens)
+            lp = self.logprobs.completion(c, ntok, st.lp, params.skip_special_tokens)
         return {"index": base + c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
 
     def _chat_delta(
@@ -551,7 +359,7 @@ class OpenAIServer:
         lp = None
         if params.logprobs is not None and c.logprobs is not None:
             skip = params.skip_special_tokens
-            lp = self._chat_logprobs(c, ntok, st.lp, skip, params.logprobs)
+            lp = self.logprobs.chat(c, ntok, st.lp, skip, params.logprobs)
         return {
             "index": c.index,
             "delta": {"content": delta} if delta else {},
@@ -581,8 +389,8 @@ class OpenAIServer:
             for c in p.final.outputs:
                 lp = None
                 if params.logprobs is not None and c.logprobs is not None:
-                    cur = _LogprobCursor(offset=len(prefix))
-                    lp = self._completion_logprobs(
+                    cur = LogprobCursor(offset=len(prefix))
+                    lp = self.logprobs.completion(
                         c, len(c.token_ids), cur, params.skip_special_tokens
                     )
                 choices.append(
@@ -668,7 +476,7 @@ class OpenAIServer:
             if params.logprobs is not None and c.logprobs is not None:
                 skip = params.skip_special_tokens
                 end = len(c.token_ids)
-                lp = self._chat_logprobs(c, end, _LogprobCursor(), skip, params.logprobs)
+                lp = self.logprobs.chat(c, end, LogprobCursor(), skip, params.logprobs)
             choices.append(
                 {
                     "index": c.index,

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
-from shm_engine.entrypoints import openai_server
+from shm_engine.entrypoints import openai_logprobs, openai_server
 from shm_engine.entrypoints.async_engine import PromptTooLongError
 from shm_engine.entrypoints.metrics import ServerMetrics
 from shm_engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -36,7 +36,7 @@ TEMPLATE = (
 
 def tiny_tokenizer(chat_template: str = TEMPLATE) -> Tokenizer:
     """Byte-level BPE: one token per byte (id = byte), the emoji's byte pairs merged, a special."""
-    to_char = {b: c for c, b in openai_server._gpt2_byte_decoder().items()}
+    to_char = {b: c for c, b in openai_logprobs._gpt2_byte_decoder().items()}
     vocab = {to_char[b]: b for b in range(256)}
     pairs = [(to_char[0xF0], to_char[0x9F]), (to_char[0x98], to_char[0x80])]
     for a, b in pairs:
