@@ -308,9 +308,9 @@ class OpenAIServer:
         await asyncio.gather(*(one(p) for p in prompts))
 
     def _next_delta(
-        self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
-    ) -> tuple[str, str | None, int] | None:
-        """A choice's next chunk: (text, finish reason, tokens whose logprobs go with it).
+        self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams, chat: bool
+    ) -> tuple[str, str | None, dict[str, Any] | None] | None:
+        """A choice's next chunk: (text, finish reason, the logprobs that go with it).
 
         None while there is nothing to send. Text is held back while a stop string may still cut
         it; logprobs wait for their tokens' text, so a chunk's logprobs match its text.
@@ -324,48 +324,39 @@ class OpenAIServer:
             return None
         st.text_sent = end
         st.done = finish is not None
-        ntok = st.lp.tokens
-        if params.logprobs is not None and c.logprobs is not None:
-            st.text_bytes_sent += len(delta.encode())
-            skip = params.skip_special_tokens
-            ntok = (
-                len(c.token_ids)
-                if st.done
-                else self.logprobs.tokens_covered(c, st.lp, st.text_bytes_sent, skip)
-            )
-        return delta, finish, ntok
+        if params.logprobs is None or c.logprobs is None:
+            return delta, finish, None
+        st.text_bytes_sent += len(delta.encode())
+        skip = params.skip_special_tokens
+        ntok = (
+            len(c.token_ids)
+            if st.done
+            else self.logprobs.tokens_covered(c, st.lp, st.text_bytes_sent, skip)
+        )
+        if chat:
+            return delta, finish, self.logprobs.chat(c, ntok, st.lp, skip, params.logprobs)
+        return delta, finish, self.logprobs.completion(c, ntok, st.lp, skip)
 
     def _completion_delta(
         self, base: int, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
     ) -> dict[str, Any] | None:
         """A streamed completions choice (index ``base + c.index``), or None: nothing new."""
-        step = self._next_delta(c, st, hold, params)
+        step = self._next_delta(c, st, hold, params, chat=False)
         if step is None:
             return None
-        delta, finish, ntok = step
-        lp = None
-        if params.logprobs is not None and c.logprobs is not None:
-            lp = self.logprobs.completion(c, ntok, st.lp, params.skip_special_tokens)
+        delta, finish, lp = step
         return {"index": base + c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
 
     def _chat_delta(
         self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
     ) -> dict[str, Any] | None:
         """A streamed chat choice, or None: nothing new."""
-        step = self._next_delta(c, st, hold, params)
+        step = self._next_delta(c, st, hold, params, chat=True)
         if step is None:
             return None
-        delta, finish, ntok = step
-        lp = None
-        if params.logprobs is not None and c.logprobs is not None:
-            skip = params.skip_special_tokens
-            lp = self.logprobs.chat(c, ntok, st.lp, skip, params.logprobs)
-        return {
-            "index": c.index,
-            "delta": {"content": delta} if delta else {},
-            "logprobs": lp,
-            "finish_reason": finish,
-        }
+        delta, finish, lp = step
+        content = {"content": delta} if delta else {}
+        return {"index": c.index, "delta": content, "logprobs": lp, "finish_reason": finish}
 
     # ------------------------------------------------------------------ completions
 
