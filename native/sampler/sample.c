@@ -1,4 +1,4 @@
-/* Native sampler: temperature, top-k, top-p, min-p and the inverse-CDF draw, one row at a time.
+/* Native sampler: temperature, min-p, top-k, top-p and the inverse-CDF draw, one row at a time.
  *
  * The contract is the module docstring of shm_engine/model/sampler.py, whose torch functions
  * filtered_probs + sample_inverse_cdf stay the readable reference (the tests compare against them).
@@ -6,14 +6,22 @@
  * filter is a threshold on e (or, for top-k, on x), so no row is sorted or normalized in full, and
  * the draw compares a running sum with u * (kept mass) instead of normalizing.
  *
+ * The order is vLLM V1's: min-p (an argmax-invariant logits processor there) before top-k and
+ * top-p.  Min-p is the threshold e >= min_p (e_max == 1: p >= min_p * p_max) on the tempered
+ * distribution; top-k keeps x >= the k-th largest x.  Both keep a set of the largest logits, so
+ * applying both at once in pass 3 is min-p then top-k among its survivors (their intersection);
+ * top-p then weighs only what they kept, i.e. the distribution renormalised over the survivors.
+ *
  * Per row, at most 5 streaming passes over the vocabulary (each vectorised on the AVX2 path):
  *   1. the max of the raw logits (division by T > 0 is monotone: max(x) = max(logits) / T exactly);
  *   2. top-k only: the k-th largest logit, keeping just the values above a rising threshold (see
  *      topk_t), divided by T: exactly the k-th largest x, as torch.topk would give;
- *   3. e = exp(x - max), 0 where x < the k-th largest, written out with per-block sums;
- *   4. top-p only: gather the candidates that can matter (the bound of _top_p_row) and find where
- *      their descending prefix reaches top_p by quickselect on the mass (select_desc);
- *   5. top-p / min-p only: per-block sums of the kept weights;
+ *   3. e = exp(x - max), 0 where x < the k-th largest or e < min_p, written out with per-block
+ *      sums: the mass of the min-p / top-k survivors;
+ *   4. top-p only: gather the candidates that can matter (the bound of _top_p_row, on the
+ *      survivors' mass, so min-p shrinks it too) and find where their descending prefix reaches
+ *      top_p by quickselect on the mass (select_desc);
+ *   5. top-p only: per-block sums of the kept weights;
  * then the draw walks the block sums and scans a single block.
  *
  * Numerics: exp is a Cephes-style polynomial (< 2e-7 relative) that flushes weights below
@@ -76,7 +84,7 @@ struct kern_s {
     float (*max)(const float *l, int64_t v);
     void (*topk_scan)(topk_t *s, const float *l, int64_t v, int neg);
     double (*exp_pass)(const float *l, int64_t v, float t, int scale, float m, float kth,
-                       float *e, double *bsum);
+                       float mp, float *e, double *bsum);
     int64_t (*gather)(const float *e, int64_t v, float c, float *dst);
     double (*block_sums)(const float *e, int64_t v, float thr, double *bsum);
     /* counts of a[i] > p and == p; returns the weight of those > p (count, or mass if by_mass) */
@@ -148,9 +156,11 @@ static inline float exp_neg(float d) {
     return and_mask_bits(yb, ok);
 }
 
-static inline float weight1(float l, float t, int scale, float m, float kth) {
+/* The weight of logit l: exp(x - m), 0 where x < kth (top-k) or, if minp, below mp (min-p). */
+static inline float weight1(float l, float t, int scale, float m, float kth, int minp, float mp) {
     float x = scale ? l / t : l;
-    return and_mask(exp_neg(x - m), -(uint32_t)isgreaterequal(x, kth));
+    float w = and_mask(exp_neg(x - m), -(uint32_t)isgreaterequal(x, kth));
+    return minp ? and_mask(w, -(uint32_t)(w >= mp)) : w;
 }
 
 /* double sum of a[0..n) with 4 accumulators (one would serialise on the add latency) */
@@ -289,14 +299,19 @@ static void topk_scan_portable(topk_t *s, const float *l, int64_t v, int neg) {
 }
 
 static double exp_pass_portable(const float *l, int64_t v, float t, int scale, float m, float kth,
-                                float *e, double *bsum) {
+                                float mp, float *e, double *bsum) {
     double total = 0.0;
     for (int64_t b0 = 0, bi = 0; b0 < v; b0 += BLOCK, bi++) {
         int64_t b1 = b0 + BLOCK < v ? b0 + BLOCK : v;
-        if (scale)
-            for (int64_t i = b0; i < b1; i++) e[i] = weight1(l[i], t, 1, m, kth);
+        /* constant flags, so each loop is branch-free (and vectorised) */
+        if (scale && mp > 0.0f)
+            for (int64_t i = b0; i < b1; i++) e[i] = weight1(l[i], t, 1, m, kth, 1, mp);
+        else if (scale)
+            for (int64_t i = b0; i < b1; i++) e[i] = weight1(l[i], t, 1, m, kth, 0, mp);
+        else if (mp > 0.0f)
+            for (int64_t i = b0; i < b1; i++) e[i] = weight1(l[i], t, 0, m, kth, 1, mp);
         else
-            for (int64_t i = b0; i < b1; i++) e[i] = weight1(l[i], t, 0, m, kth);
+            for (int64_t i = b0; i < b1; i++) e[i] = weight1(l[i], t, 0, m, kth, 0, mp);
         bsum[bi] = sum4(e + b0, b1 - b0);
         total += bsum[bi];
     }
@@ -474,28 +489,31 @@ TARGET static void topk_scan_avx2(topk_t *s, const float *l, int64_t v, int neg)
     for (; i < v; i++) tk_push(s, rank_value(l[i], neg));
 }
 
-TARGET static inline __m256 weight8(const float *l, __m256 tv, __m256 mv, __m256 kv, int scale,
-                                    int topk) {
+TARGET static inline __m256 weight8(const float *l, __m256 tv, __m256 mv, __m256 kv, __m256 pv,
+                                    int scale, int topk, int minp) {
     __m256 x = _mm256_loadu_ps(l);
     if (scale) x = _mm256_div_ps(x, tv); /* a true division, as torch does: the same x */
     __m256 w = exp_neg8(_mm256_sub_ps(x, mv));
-    return topk ? _mm256_and_ps(w, _mm256_cmp_ps(x, kv, _CMP_GE_OQ)) : w;
+    if (topk) w = _mm256_and_ps(w, _mm256_cmp_ps(x, kv, _CMP_GE_OQ));
+    if (minp) w = _mm256_and_ps(w, _mm256_cmp_ps(w, pv, _CMP_GE_OQ));
+    return w;
 }
 
-/* Inlined with constant scale / topk, so each of the 4 variants is a branch-free loop. */
+/* Inlined with constant scale / topk / minp, so each of the 8 variants is a branch-free loop. */
 TARGET static inline __attribute__((always_inline)) double
-exp_pass_body(const float *l, int64_t v, float t, int scale, float m, float kth, int topk, float *e,
-              double *bsum) {
+exp_pass_body(const float *l, int64_t v, float t, int scale, float m, float kth, int topk,
+              float mp, int minp, float *e, double *bsum) {
     const __m256 tv = _mm256_set1_ps(t), mv = _mm256_set1_ps(m), kv = _mm256_set1_ps(kth);
+    const __m256 pv = _mm256_set1_ps(mp);
     double total = 0.0;
     for (int64_t b0 = 0, bi = 0; b0 < v; b0 += BLOCK, bi++) {
         int64_t b1 = b0 + BLOCK < v ? b0 + BLOCK : v, i = b0;
         __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
         for (; i + 32 <= b1; i += 32) {
-            __m256 w0 = weight8(l + i, tv, mv, kv, scale, topk);
-            __m256 w1 = weight8(l + i + 8, tv, mv, kv, scale, topk);
-            __m256 w2 = weight8(l + i + 16, tv, mv, kv, scale, topk);
-            __m256 w3 = weight8(l + i + 24, tv, mv, kv, scale, topk);
+            __m256 w0 = weight8(l + i, tv, mv, kv, pv, scale, topk, minp);
+            __m256 w1 = weight8(l + i + 8, tv, mv, kv, pv, scale, topk, minp);
+            __m256 w2 = weight8(l + i + 16, tv, mv, kv, pv, scale, topk, minp);
+            __m256 w3 = weight8(l + i + 24, tv, mv, kv, pv, scale, topk, minp);
             _mm256_storeu_ps(e + i, w0);
             _mm256_storeu_ps(e + i + 8, w1);
             _mm256_storeu_ps(e + i + 16, w2);
@@ -503,13 +521,13 @@ exp_pass_body(const float *l, int64_t v, float t, int scale, float m, float kth,
             acc8(&a0, &a1, _mm256_add_ps(_mm256_add_ps(w0, w1), _mm256_add_ps(w2, w3)));
         }
         for (; i + 8 <= b1; i += 8) {
-            __m256 w = weight8(l + i, tv, mv, kv, scale, topk);
+            __m256 w = weight8(l + i, tv, mv, kv, pv, scale, topk, minp);
             _mm256_storeu_ps(e + i, w);
             acc8(&a0, &a1, w);
         }
         double s = hsum_pd(a0, a1);
         for (; i < b1; i++) {
-            e[i] = weight1(l[i], t, scale, m, kth);
+            e[i] = weight1(l[i], t, scale, m, kth, minp, mp);
             s += e[i];
         }
         bsum[bi] = s;
@@ -518,15 +536,25 @@ exp_pass_body(const float *l, int64_t v, float t, int scale, float m, float kth,
     return total;
 }
 
+#define EXP_PASS_BODY(scale, topk, minp) \
+    exp_pass_body(l, v, t, scale, m, kth, topk, mp, minp, e, bsum)
+
 TARGET static double exp_pass_avx2(const float *l, int64_t v, float t, int scale, float m,
-                                   float kth, float *e, double *bsum) {
+                                   float kth, float mp, float *e, double *bsum) {
     int topk = kth != -INFINITY; /* x >= -inf holds for every lane that is not NaN (weight 0) */
-    if (scale)
-        return topk ? exp_pass_body(l, v, t, 1, m, kth, 1, e, bsum)
-                    : exp_pass_body(l, v, t, 1, m, kth, 0, e, bsum);
-    return topk ? exp_pass_body(l, v, t, 0, m, kth, 1, e, bsum)
-                : exp_pass_body(l, v, t, 0, m, kth, 0, e, bsum);
+    int minp = mp > 0.0f;        /* mp == 0 would keep every lane (w >= 0): no compare */
+    switch (scale << 2 | topk << 1 | minp) {
+    case 0: return EXP_PASS_BODY(0, 0, 0);
+    case 1: return EXP_PASS_BODY(0, 0, 1);
+    case 2: return EXP_PASS_BODY(0, 1, 0);
+    case 3: return EXP_PASS_BODY(0, 1, 1);
+    case 4: return EXP_PASS_BODY(1, 0, 0);
+    case 5: return EXP_PASS_BODY(1, 0, 1);
+    case 6: return EXP_PASS_BODY(1, 1, 0);
+    default: return EXP_PASS_BODY(1, 1, 1);
+    }
 }
+#undef EXP_PASS_BODY
 
 TARGET static int64_t gather_avx2(const float *e, int64_t v, float c, float *dst) {
     const __m256 cv = _mm256_set1_ps(c);
@@ -685,21 +713,23 @@ static int64_t sample_row(const kern_t *K, const ws_t *w, const float *l, int64_
         kth = scale ? kl / t : kl; /* division is monotone: the k-th largest x itself */
     }
 
+    /* min-p and top-k zero their tokens' weights here (+inf rows: the e == 1 tokens pass any min_p
+     * <= 1, the others already weigh 0), so total is the mass of their survivors */
     double total = m == INFINITY ? inf_pass(l, v, t, scale, kth, w->e, w->bsum)
-                                 : K->exp_pass(l, v, t, scale, m, kth, w->e, w->bsum);
+                                 : K->exp_pass(l, v, t, scale, m, kth, min_p, w->e, w->bsum);
 
-    /* every remaining filter is "keep e >= thr"; the row's max has e == 1 and is always kept */
+    /* top-p is "keep e >= thr"; the row's max has e == 1 and is always kept */
     float thr = 0.0f;
     if (top_p < 1.0f) {
         /* Tokens below (1 - top_p) / v of the mass weigh < 1 - top_p together, so the prefix that
          * reaches top_p lies among the others (_top_p_row); the bound is shaved by 1e-3 so that
-         * rounding cannot make it cut into that prefix. */
+         * rounding cannot make it cut into that prefix.  It is > 0: tokens min-p or top-k
+         * dropped (weight 0) are never candidates. */
         float c = (float)((1.0 - (double)top_p) / (double)v * total * (1.0 - 1e-3));
         int64_t nc = K->gather(w->e, v, c, w->cand);
         thr = select_desc(K, w->cand, nc, (double)top_p * total, 1);
+        total = K->block_sums(w->e, v, thr, w->bsum);
     }
-    if (min_p > thr) thr = min_p; /* the ratio test p >= min_p * p_max, with e_max == 1 */
-    if (thr > 0.0f) total = K->block_sums(w->e, v, thr, w->bsum);
 
     int64_t tok = draw(w->e, v, thr, w->bsum, u * total);
     if (probs)

@@ -2,7 +2,8 @@
  * do not start with '#' to ffi.cdef(), so keep it to plain declarations.
  *
  * Path ids: 0 = portable C, 1 = AVX2 (+FMA).  The Python wrapper is shm_engine/model/sample_native.py;
- * the semantics are those of shm_engine/model/sampler.py (filtered_probs + sample_inverse_cdf). */
+ * the semantics are those of shm_engine/model/sampler.py (filtered_probs + sample_inverse_cdf):
+ * temperature, then vLLM V1's order, min-p, top-k among its survivors, top-p on what they keep. */
 #ifndef SHMS_SAMPLE_H
 #define SHMS_SAMPLE_H
 #include <stddef.h>

@@ -1,15 +1,16 @@
 """Python wrapper of the native sampler (``shm_engine._sampler_cffi``, native/sampler/sample.c).
 
 `sample_rows` draws one token per row with the semantics of `sampler.filtered_probs` followed by
-`sampler.sample_inverse_cdf` (temperature, top-k with ties kept, top-p, min-p, inverse CDF with one
-uniform per row), fused in C without sorting or normalizing the vocabulary: 30-60 us a row at
-V = 49152 on one core, against 0.4-1.4 ms in torch. The token of a row depends only on that row's
-logits, its parameters and its u, as the seeded streams require. It agrees with the torch reference
-up to float rounding: a draw can differ only when u falls within rounding of a CDF boundary, a
-filter only for a token within rounding of its cut (the C code is the more accurate of the two: its
-sums are in double). Beyond rounding: weights below e^-87 of the row's largest are 0 (never drawn
-unless u is within 1e-38 of 1), NaN logits count as -inf, a row with no finite logit draws token 0
-and a row with +inf logits draws among those uniformly (torch returns NaN probabilities for both).
+`sampler.sample_inverse_cdf` (temperature, then vLLM V1's order: min-p, top-k with ties kept among
+its survivors, top-p on their renormalized mass; inverse CDF with one uniform per row), fused in C
+without sorting or normalizing the vocabulary: 30-60 us a row at V = 49152 on one core, against
+0.4-1.4 ms in torch. The token of a row depends only on that row's logits, its parameters and its u,
+as the seeded streams require. It agrees with the torch reference up to float rounding: a draw can
+differ only when u falls within rounding of a CDF boundary, a filter only for a token within
+rounding of its cut (the C code is the more accurate of the two: its sums are in double). Beyond
+rounding: weights below e^-87 of the row's largest are 0 (never drawn unless u is within 1e-38 of
+1), NaN logits count as -inf, a row with no finite logit draws token 0 and a row with +inf logits
+draws among those uniformly (torch returns NaN probabilities for both).
 
 The C code checks every argument before doing anything; only when it refuses does this wrapper
 work out which argument was wrong, so a valid call costs a few microseconds of Python. Each thread

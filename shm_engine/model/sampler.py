@@ -6,9 +6,15 @@ Per row, in this order:
    divided by the penalty, negative ones multiplied), then frequency and presence (OpenAI: over the
    output only, `logit -= frequency * count + presence * (count > 0)`).
 3. Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalized logits.
-4. Otherwise: divide by temperature, keep the top_k largest logits (ties with the k-th are kept),
-   then the smallest prefix of tokens by probability whose mass reaches top_p, then tokens with
-   probability >= min_p * max probability (a ratio test, so its place in the chain is immaterial).
+4. Otherwise, vLLM V1's order: divide by temperature; min-p (V1's argmax-invariant
+   MinPLogitsProcessor, before its TopKTopPSampler) masks the tokens whose probability, softmax of
+   the tempered logits, is below min_p * the max probability; then among the survivors keep the
+   top_k largest logits (ties with the k-th are kept), then the smallest prefix of tokens by
+   probability, renormalized over what is left, whose mass reaches top_p. Both min-p and top-k
+   keep a set of the largest logits, so they commute (top-k counts among min-p survivors, and the
+   result is the intersection); top-p does not: after min-p it weighs the distribution
+   renormalized over the survivors, so its prefix reaching top_p can be shorter than on the full
+   distribution (p = [.4, .3, 30 x .01], top_p .5, min_p .1 keeps token 0 alone, not 0 and 1).
 5. Draw by inverse CDF: one uniform u per row, the token where the vocab-order cumulative
    distribution first exceeds u * total.
 Steps 4-5 run in C (sample_native.sample_rows, ~30-60 us a row at V = 49152); `filtered_probs` and
@@ -292,8 +298,11 @@ def filtered_probs(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """Probabilities [B, V] after temperature, top-k, top-p and min-p (masked entries are 0).
+    """Probabilities [B, V] after temperature, min-p, top-k and top-p (masked entries are 0).
 
+    vLLM V1's order (Sampler.sample: temperature, the argmax-invariant logits processors, i.e.
+    min-p, then TopKTopPSampler): min-p masks the logits to -inf where softmax < min_p * max, so
+    top-k ranks and top-p weighs only its survivors.
     The torch reference of the native sampler (sample_native), which Sampler.sample uses instead.
     No full-vocabulary sort (torch's CPU sort costs ~4 ms per 49k-token row): top-k takes the
     k-th value from torch.topk, top-p sorts only the tokens that can matter (see _top_p_row)."""
@@ -301,19 +310,20 @@ def filtered_probs(
     temp = temperature.clamp_min(1e-5)
     # a scalar divide is ~4x cheaper than a broadcast one; batches often share a temperature
     x = logits / float(temp[0]) if bool((temp == temp[0]).all()) else logits / temp[:, None]
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        drop = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(drop, float("-inf"))
     k = torch.where(top_k > 0, top_k.clamp_max(v), torch.full_like(top_k, v))
     if bool((k < v).any()):
         kmax = int(k[k < v].max())
         kth = x.topk(kmax, dim=-1).values.gather(1, (k.clamp_max(kmax) - 1)[:, None])
         kth = kth.masked_fill((k >= v)[:, None], float("-inf"))
-        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
+        # ties with the k-th value are kept; with fewer than k min-p survivors kth is -inf
+        x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     for row in torch.nonzero(top_p < 1.0).flatten().tolist():
         probs[row] = _top_p_row(probs[row], float(top_p[row]))
-    if bool((min_p > 0).any()):
-        keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(~keep, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 

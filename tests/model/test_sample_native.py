@@ -83,18 +83,32 @@ def _random_cases(seed: int, n: int, sizes: list[int]) -> list[Case]:
 
 
 def _oracle(c: Case) -> tuple[np.ndarray, float]:
-    """float64 probabilities of the reference semantics, and the margin of its closest decision
-    (relative to the threshold concerned; inf when no filter applies)."""
+    """float64 probabilities of the reference semantics (vLLM V1's order: temperature, min-p, then
+    top-k among its survivors, then top-p on their renormalized mass), and the margin of its
+    closest decision (relative to the threshold concerned; inf when no filter applies)."""
     v = c.logits.size
     t = max(np.float32(c.temperature), np.float32(1e-5))
     x = c.logits / t  # float32 division, as torch and the C code do
-    if 0 < c.top_k < v:
-        kth = np.sort(x)[::-1][c.top_k - 1]  # exact in every implementation
-        x = np.where(x < kth, np.float32(-np.inf), x)
     d = (x - x.max()).astype(np.float64)  # x - max is float32 in both implementations
     q = np.exp(d)
     q /= q.sum()
     margin = np.inf
+    # top-k's cut among all tokens: min-p and top-k both keep the largest logits, so top-k among
+    # the min-p survivors keeps the intersection of the two; a min-p decision for a token top-k
+    # drops anyway cannot matter
+    in_top_k = x >= np.sort(x)[::-1][c.top_k - 1] if 0 < c.top_k < v else np.ones(v, bool)
+    min_p = float(np.float32(c.min_p))
+    if min_p > 0:
+        thr = min_p * q.max()
+        ratio_below_1 = (q > 0) & (q != q.max()) & in_top_k  # the maxima pass, even at min_p = 1
+        if ratio_below_1.any():
+            margin = min(margin, float(np.abs(q[ratio_below_1] - thr).min()) / thr)
+        x = np.where(q >= thr, x, np.float32(-np.inf))
+    if 0 < c.top_k < v:
+        kth = np.sort(x)[::-1][c.top_k - 1]  # exact in every implementation; -inf: keep all
+        x = np.where(x < kth, np.float32(-np.inf), x)
+    q = np.where(x > -np.inf, q, 0.0)
+    q /= q.sum()
     top_p = float(np.float32(c.top_p))
     if top_p < 1.0:
         vals = np.sort(q)[::-1]
@@ -107,14 +121,6 @@ def _oracle(c: Case) -> tuple[np.ndarray, float]:
         if others.size:
             margin = min(margin, float(np.abs(others - cut).min()) / cut)
         q = np.where(q >= cut, q, 0.0)
-        q /= q.sum()
-    min_p = float(np.float32(c.min_p))
-    if min_p > 0:
-        thr = min_p * q.max()
-        ratio_below_1 = (q > 0) & (q != q.max())  # the maxima pass exactly, even at min_p = 1
-        if ratio_below_1.any():
-            margin = min(margin, float(np.abs(q[ratio_below_1] - thr).min()) / thr)
-        q = np.where(q >= thr, q, 0.0)
         q /= q.sum()
     return q, margin
 
@@ -215,6 +221,48 @@ def test_benchmark_shaped_rows() -> None:
         for t, k, p in [(1.0, 0, 1.0), (0.8, 0, 0.95), (1.0, 50, 1.0), (0.7, 20, 0.8)]
     ]
     _run_cases(cases, PATHS, n_u=256)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_min_p_applies_before_top_p(path: str) -> None:
+    """vLLM V1's order: min-p, then top-k / top-p on what it kept. p = [0.4, 0.3, 30 x 0.01]:
+    min-p 0.1 keeps {0, 1}, renormalized .57 / .43, so top-p 0.5 keeps {0} (top-p first: {0, 1})."""
+    x = torch.tensor([[0.4, 0.3] + [0.01] * 30]).log()
+    n = 64
+    u = np.linspace(0.0, 0.999, n)
+
+    def run(top_k: int, top_p: float, min_p: float) -> tuple[set[int], np.ndarray]:
+        t, p = sample_rows(
+            x.expand(n, -1), [1.0] * n, [top_k] * n, [top_p] * n, [min_p] * n, u,
+            path=path, return_probs=True,
+        )  # fmt: skip
+        return set(t.tolist()), p[0]
+
+    tokens, probs = run(0, 0.5, 0.1)
+    assert tokens == {0} and probs[0] == 1.0 and not probs[1:].any()
+    assert run(0, 0.5, 0.0)[0] == run(0, 1.0, 0.1)[0] == {0, 1}  # each filter alone
+    # top-k counts among the min-p survivors: top-k 5 keeps just the two of them
+    tokens, probs = run(5, 1.0, 0.1)
+    assert tokens == {0, 1} and np.count_nonzero(probs) == 2
+    np.testing.assert_allclose(probs[:2], [4 / 7, 3 / 7], rtol=1e-6)
+    assert run(5, 0.5, 0.1)[0] == {0}
+
+
+def test_min_p_with_top_p_full_vocab() -> None:
+    """Settings where min-p's renormalization moves top-p's cut on most rows, V = 49152."""
+    rng = np.random.default_rng(12)
+    cases = [
+        Case((rng.standard_normal(49152) * 3).astype(np.float32), t, k, p, mp)
+        for t, k, p, mp in [(1.0, 0, 0.9, 0.05), (1.5, 0, 0.9, 0.1), (0.8, 100, 0.95, 0.02)]
+    ]
+    for c in cases:  # top-p first (on the full distribution), then min-p, would keep more
+        q, _ = _oracle(c)
+        top_p_only, _ = _oracle(Case(c.logits, c.temperature, c.top_k, c.top_p, 0.0))
+        min_p_only, _ = _oracle(Case(c.logits, c.temperature, c.top_k, 1.0, c.min_p))
+        top_p_first = (top_p_only > 0) & (min_p_only > 0)  # min-p's ratio test commutes with it
+        assert np.all(top_p_first[q > 0])
+        assert np.count_nonzero(q) < np.count_nonzero(top_p_first)
+    _run_cases(cases, PATHS, n_u=128)
 
 
 @pytest.mark.skipif(len(PATHS) < 2, reason="the CPU has no AVX2")

@@ -76,6 +76,97 @@ def test_min_p_mask() -> None:
     assert _kept(_filter(min_p=1.0)) == {1}
 
 
+# p = [0.4, 0.3, 30 x 0.01]: min-p 0.1 keeps {0, 1} (p >= 0.04), renormalized .57 / .43, so
+# top-p 0.5 then keeps {0} alone (vLLM V1); top-p first, on the full distribution, keeps {0, 1}
+REPRO = torch.tensor([[0.4, 0.3] + [0.01] * 30]).log()
+
+
+def _filter_repro(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    return filtered_probs(
+        REPRO, torch.tensor([1.0]), torch.tensor([top_k]), torch.tensor([top_p]),
+        torch.tensor([min_p]),
+    )[0]  # fmt: skip
+
+
+def _vllm_v1_probs(
+    logits: torch.Tensor, temp: float, k: int, p: float, min_p: float
+) -> torch.Tensor:
+    """vLLM V1's filter chain transcribed (vllm/v1/sample/sampler.py Sampler.sample: temperature,
+    then the argmax-invariant logits processors, i.e. MinPLogitsProcessor.apply, then
+    topk_topp_sampler.apply_top_k_top_p), with one full sort: the readable spec."""
+    x = logits / max(temp, 1e-5)
+    if min_p > 0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
+    x_sort, idx = x.sort(dim=-1, descending=False)
+    if 0 < k < x.shape[1]:
+        kth = x_sort.gather(1, torch.full((x.shape[0], 1), x.shape[1] - k))
+        x_sort = x_sort.masked_fill(x_sort < kth, float("-inf"))
+    if p < 1.0:
+        cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
+        mask = cum <= 1 - p
+        mask[:, -1] = False
+        x_sort = x_sort.masked_fill(mask, float("-inf"))
+    return torch.softmax(x_sort.scatter(-1, idx, x_sort), dim=-1)
+
+
+def test_min_p_applies_before_top_p_like_vllm_v1() -> None:
+    assert _kept(_filter_repro(top_p=0.5, min_p=0.1)) == {0}
+    assert _kept(_vllm_v1_probs(REPRO, 1.0, 0, 0.5, 0.1)[0]) == {0}
+    assert _kept(_filter_repro(top_p=0.5)) == _kept(_filter_repro(min_p=0.1)) == {0, 1}
+    # top-k counts among the min-p survivors (two here)
+    assert _kept(_filter_repro(top_k=5, min_p=0.1)) == {0, 1}
+    assert _kept(_filter_repro(top_k=5, top_p=0.5, min_p=0.1)) == {0}
+    # token 1 (p = 0.3) is never drawn, whatever u
+    n = 400
+    s = Sampler(0)
+    out = s.sample(REPRO.expand(n, -1), _states(s, [SP(top_p=0.5, min_p=0.1)] * n), [[]] * n)
+    assert set(out.token_ids.tolist()) == {0}
+    # PROBS: min-p 0.3 keeps {1, 3, 4} (p >= .12), renormalized .47, .35, .18: top-p .8 keeps two
+    # (on the full distribution top-p .8 keeps three, which min-p would leave alone)
+    assert _kept(_filter(min_p=0.3, top_p=0.8)) == {1, 3}
+    assert _kept(_filter(top_p=0.8)) == {1, 3, 4}
+
+
+def test_top_k_counts_among_min_p_survivors() -> None:
+    # min-p 0.5 keeps {1, 3}: top-k 3 or more then keeps just those, top-k 1 the top token
+    assert _kept(_filter(min_p=0.5, top_k=3)) == _kept(_filter(min_p=0.5, top_k=50)) == {1, 3}
+    assert _kept(_filter(min_p=0.5, top_k=1)) == {1}
+    # the two filters commute (both keep the largest logits): the result is their intersection
+    assert _kept(_filter(min_p=0.3, top_k=2)) == {1, 3}
+    torch.testing.assert_close(_filter(min_p=0.3, top_k=2), _filter(top_k=2))
+    torch.testing.assert_close(_filter(min_p=0.5, top_k=4), _filter(min_p=0.5))
+
+
+@pytest.mark.parametrize(
+    ("temp", "k", "p", "min_p"),
+    [
+        (1.0, 0, 0.9, 0.05),
+        (0.7, 0, 0.5, 0.2),
+        (1.5, 40, 0.95, 0.02),
+        (1.3, 8, 0.7, 0.1),
+        (0.9, 300, 0.99, 0.001),
+        (2.0, 0, 1.0, 0.1),
+        (1.0, 20, 1.0, 0.3),
+    ],
+)
+def test_filtered_probs_match_vllm_v1_transcription(
+    temp: float, k: int, p: float, min_p: float
+) -> None:
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(k + int(100 * p))) * 3
+    b = logits.shape[0]
+    got = filtered_probs(
+        logits,
+        torch.full((b,), temp),
+        torch.full((b,), k),
+        torch.full((b,), p),
+        torch.full((b,), min_p),
+    )
+    want = _vllm_v1_probs(logits, temp, k, p, min_p)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_combined_masks_and_temperature() -> None:
     # after top-k=3 the mass is renormalized: .47, .35, .18 -> top_p .8 drops the third
     assert _kept(_filter(top_k=3, top_p=0.8)) == {1, 3}
