@@ -42,10 +42,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field; the engine turns it into a client error.
 
-        Types are checked too: fields can be assigned after construction, and a value the wire
-        format or the engine cannot take must fail here, in the frontend, not in the engine.
+        Values only (this runs on every decode, where msgspec has already checked the types);
+        the frontend calls ``check_types`` first.
         """
-        self._check_types()
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -79,7 +78,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
 
-    def _check_types(self) -> None:
+    def check_types(self) -> None:
+        """Raise ValueError for a field of the wrong type or beyond int64.
+
+        Why: fields can be assigned after construction, and a value the wire format or the
+        engine cannot take must fail in the frontend, not as an undecodable message in the engine.
+        """
         for name in _INT_FIELDS:
             v = getattr(self, name)
             if v is None and name in _OPTIONAL:

@@ -109,7 +109,8 @@ class OutputProcessor:
         """Register a user request; returns the (engine id, params) of each engine request."""
         if request_id in self.parents:
             raise ValueError(f"duplicate request_id {request_id!r}")
-        params.validate()  # again: fields may have been assigned since construction
+        params.check_types()  # and again the values: fields may have been assigned since
+        params.validate()
         parent = _ParentState(request_id, prompt, prompt_token_ids)
         children = []
         for i in range(params.n):
