@@ -61,20 +61,23 @@ class ModelRunner:
         self.block_size = config.block_size
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.model.kv_dtype)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
-        trained = loaded.config.max_position_embeddings
-        if config.max_model_len and config.max_model_len > trained:
-            # The RoPE table (and the model's training) end there: positions past it would
-            # come out wrong without an error.
+        # The RoPE table (and the model's training) end at max_position_embeddings: later
+        # positions would come out wrong without an error. The int8 path runs a sliding-window
+        # model exactly only within its window (Int8Llama.full_attention_limit).
+        limit = loaded.config.max_position_embeddings
+        window = getattr(self.model, "full_attention_limit", None)
+        what = "the model's context length"
+        if window is not None and window < limit:
+            limit, what = window, "the int8 path's limit for this sliding-window model"
+            if not config.max_model_len:
+                logger.info("sliding-window model on the int8 path: max_model_len %d", window)
+        if config.max_model_len and config.max_model_len > limit:
             raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's context length "
-                f"({trained} positions)"
+                f"max_model_len {config.max_model_len} exceeds {what} ({limit} positions)"
             )
         # NOTE: never longer than the whole cache holds: a lone sequence that outgrew the cache
         # would preempt itself and be readmitted forever.
-        self.max_model_len = min(
-            config.max_model_len or loaded.config.max_position_embeddings,
-            self.num_blocks * self.block_size,
-        )
+        self.max_model_len = min(config.max_model_len or limit, self.num_blocks * self.block_size)
         self.kv_caches = None
         self.allocate_kv_cache()
         from shm_engine.model.sampler import Sampler

@@ -49,8 +49,10 @@ class Int8Llama:
         num_threads: int = 0,
         kv_cache_dtype: str = "fp16",
     ) -> None:
-        if config.sliding_window is not None:
-            raise NotImplementedError("sliding-window attention is not supported by the int8 path")
+        # NOTE: the native attention has no window. Within the window a sliding-window model
+        # attends to everything anyway, so it runs exactly up to that length (the runner caps
+        # max_model_len there; forward() refuses longer sequences).
+        self.full_attention_limit: int | None = config.sliding_window
         # NOTE: fp16 K/V (fp32 math) halves the bytes batched decode reads from the cache against
         # fp32; on SmolLM2 the top-1 agreement with the fp32 model is unchanged against an fp32
         # cache.  int8 rows halve them again, 1.88x the tokens in a budget (test_int8_model bounds
@@ -176,6 +178,9 @@ class Int8Llama:
     ) -> torch.Tensor:
         """fp32 logits [len(logits_indices), vocab]; each row's argmax (first index of the
         largest, NaN as -inf) into ``argmax_out`` (int64) if given."""
+        limit = self.full_attention_limit
+        if limit is not None and int(batch.seq_lens.max()) > limit:
+            raise ValueError(f"a sequence is longer than the sliding window ({limit} tokens)")
         stack = self._stack_for(kv_caches)  # its cache geometry was derived and checked once
         step = kernels.LayerStep(
             positions=batch.positions,

@@ -139,6 +139,11 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
         path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{path}: no tokenizer.json (only fast tokenizers are supported; convert a "
+                "slow one with transformers' AutoTokenizer(...).save_pretrained)"
+            )
         backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
         tcfg = _read_json(path / "tokenizer_config.json")
         template = tcfg.get("chat_template")
@@ -465,8 +470,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    ensure_ascii: bool = False,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson`` filter for chat templates (unlike Jinja's, no HTML escaping)."""
+    return json.dumps(
+        value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys
+    )
 
 
 _ENV: ImmutableSandboxedEnvironment | None = None

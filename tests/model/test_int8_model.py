@@ -97,6 +97,17 @@ def test_fp32_path_honours_the_sliding_window():
     assert rel_err(got, expected) < 1e-4  # past position 8 too
 
 
+def test_int8_runs_a_sliding_window_model_within_its_window_only():
+    config, weights = random_model(architecture="mistral", sliding_window=24)
+    model = Int8Llama(config, weights)
+    ids = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    expected = ReferenceModel(config, weights).forward(ids)
+    got = paged_logits(model, config, [ids.tolist()], [[16, 8]])[0]
+    assert rel_err(got, expected) < 0.06  # within the window: full attention is the same
+    with pytest.raises(ValueError, match="sliding window"):
+        paged_logits(model, config, [list(range(1, 26))], [[25]])
+
+
 def test_int8_kv_cache_matches_reference_and_fp16_cache():
     """An int8 cache on the tiny model: within the int8 weights' bound of the reference, and
     close to the same model over an fp16 cache (what the cache's rounding alone costs)."""

@@ -180,6 +180,21 @@ def test_max_model_len_beyond_the_models_positions_is_refused(tmp_path: Path) ->
         ModelRunner(EngineConfig(model=str(path), max_model_len=65, num_kv_blocks=16))
 
 
+def test_a_sliding_window_model_on_the_int8_path_is_capped_at_its_window(tmp_path: Path) -> None:
+    from shm_engine.engine.config import EngineConfig
+    from shm_engine.engine.model_runner import ModelRunner
+
+    config = tiny_config(architecture="mistral", sliding_window=48, max_position_embeddings=128)
+    save_hf_model(tmp_path, config, tiny_weights(config))
+    (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json())
+    runner = ModelRunner(EngineConfig(model=str(tmp_path), num_kv_blocks=16))
+    assert runner.max_model_len == 48
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelRunner(EngineConfig(model=str(tmp_path), num_kv_blocks=16, max_model_len=64))
+    fp32 = ModelRunner(EngineConfig(model=str(tmp_path), num_kv_blocks=16, dtype="float32"))
+    assert fp32.max_model_len == 128  # the torch path applies the window itself
+
+
 def test_fingerprint_is_content_based(tmp_path: Path) -> None:
     config = tiny_config()
     p = write_tiny_gguf(tmp_path / "a.gguf", config, tiny_weights(config, seed=4))

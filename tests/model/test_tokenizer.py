@@ -6,6 +6,7 @@ import json
 import logging
 import random
 import unicodedata
+from pathlib import Path
 
 import jinja2
 import pytest
@@ -126,6 +127,17 @@ def test_incremental_detokenizer_matches_full_decode(
 ) -> None:
     ids = tok.encode(text)
     assert _stream(tok, ids, chunks, prompt=tok.encode("Hello")) == tok.decode(ids) == text
+
+
+def test_chat_template_tojson_takes_transformers_arguments(tok: Tokenizer) -> None:
+    template = "{{ messages[0] | tojson(separators=(',', ':'), sort_keys=true) }}"
+    out = tok.apply_chat_template([{"role": "user", "content": "é"}], chat_template=template)
+    assert out == '{"content":"é","role":"user"}'
+
+
+def test_an_hf_dir_without_tokenizer_json_says_so(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
 
 
 def test_incremental_detokenizer_random_ids(tok: Tokenizer) -> None:
