@@ -285,6 +285,8 @@ class Channel:
         """Complete the fragmented message an earlier send left part written."""
         assert self._pending is not None
         call, nmsgs = self._pending
+        if call is _broken_send:  # stays pending: every later send must fail the same way
+            _broken_send(0, 0, nmsgs)
         try:
             self._drive(call, nmsgs, deadline)
         except TimeoutError:

@@ -137,7 +137,9 @@ def _accept_own_user(lsock: socket.socket, timeout: float | None) -> socket.sock
     """
     deadline = _deadline(timeout)
     while True:
-        lsock.settimeout(timeout if deadline is None else max(0.0, deadline - time.monotonic()))
+        # NOTE: never settimeout(0): that makes the socket non-blocking, and accept() would
+        # raise BlockingIOError instead of the TimeoutError callers expect at the deadline.
+        lsock.settimeout(None if deadline is None else max(1e-6, deadline - time.monotonic()))
         conn, _ = lsock.accept()
         try:
             _check_peer_uid(conn)

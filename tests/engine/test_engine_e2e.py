@@ -188,7 +188,7 @@ def test_an_abort_never_hits_a_later_request_with_the_same_id(client, tokenizer)
 def test_sampling_values_beyond_float32_and_int64_do_not_kill_the_engine(client, tokenizer):
     prompt = tokenizer.encode("Hello")
     client.add_request(request("tiny_p", prompt, max_tokens=3, top_p=1e-50, temperature=0.8))
-    client.add_request(request("huge_k", prompt, max_tokens=3, top_k=2**62, temperature=0.8))
+    client.add_request(request("huge_k", prompt, max_tokens=3, top_k=2**64 - 1, temperature=0.8))
     client.add_request(request("greedy", prompt, max_tokens=3))
     done = collect(client, ["tiny_p", "huge_k", "greedy"], timeout=60)
     assert all(d[1] == "length" for d in done.values()), done

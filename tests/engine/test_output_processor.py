@@ -147,13 +147,30 @@ def test_stop_strings_count_only_past_min_tokens(tokenizer):
     assert aborts == ["a"] and out.outputs[0].text == "one two one two "
 
 
-def test_a_request_that_fails_to_register_leaves_nothing_behind(tokenizer):
+def test_a_request_that_fails_to_register_leaves_nothing_behind(tokenizer, monkeypatch):
     proc = OutputProcessor(tokenizer)
     params = SamplingParams(n=2)
     params.temperature = -1.0  # assigned after construction: caught before it is sent
     with pytest.raises(ValueError, match="temperature"):
         proc.add_request("r", None, [1], params)
     assert not proc.has_unfinished() and not proc.states
+    # A failure while building the second child (here: injected) registers neither child.
+    from shm_engine.engine import output_processor
+
+    real = output_processor.IncrementalDetokenizer
+    built: list[int] = []
+
+    def second_fails(*args, **kwargs):
+        built.append(1)
+        if len(built) == 2:
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", second_fails)
+    with pytest.raises(MemoryError):
+        proc.add_request("r", None, [1], SamplingParams(n=2))
+    assert len(built) == 2 and not proc.has_unfinished() and not proc.states
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", real)
     # Derived seeds wrap instead of overflowing the seed range.
     children = proc.add_request("r", None, [1], SamplingParams(n=2, seed=(1 << 63) - 1))
     assert [p.seed for _, p in children] == [(1 << 63) - 1, 0]

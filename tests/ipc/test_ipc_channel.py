@@ -243,6 +243,13 @@ def test_peer_with_other_uid_is_dropped_and_the_listener_keeps_waiting() -> None
         assert q.exitcode == 0
 
 
+def test_accept_with_no_peer_times_out_even_at_zero() -> None:
+    with ChannelListener() as lst:
+        for timeout in (0, 0.05):  # 0 used to make the socket non-blocking: BlockingIOError
+            with pytest.raises(TimeoutError):
+                lst.accept(timeout=timeout)
+
+
 def test_close_semantics_and_timeouts() -> None:
     a, b = channel_pair(4096)
     t0 = time.monotonic()
@@ -425,3 +432,33 @@ def test_send_many_timeout_counts_what_will_arrive() -> None:
     a.send_many([b"new1", b"new2"], timeout=5)
     t.join(10)
     assert got == [big, b"new1", b"new2"]
+
+
+def test_a_fragmented_send_cut_by_an_error_leaves_the_send_side_unusable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The consumer holds the head of a message whose rest never comes: any later message would
+    # be spliced onto it, so every later send (not just the first) must refuse.
+    from shm_engine.ipc.channel import Channel
+    from shm_engine.ipc.errors import IPCError
+
+    a, b = channel_pair(4096)
+    real = Channel._check_alive
+
+    def failing(self: Any, ring: Any) -> None:
+        if self is a:
+            raise IPCError("simulated liveness failure")
+        real(self, ring)
+
+    monkeypatch.setattr(Channel, "_check_alive", failing)
+    with pytest.raises(IPCError, match="simulated"):
+        a.send_bytes([children.payload(4, 3 * 4096)])  # blocks after the first fragments
+    monkeypatch.setattr(Channel, "_check_alive", real)
+    for _ in range(3):
+        with pytest.raises(IPCError, match="unusable"):
+            a.send_bytes([b"after"], timeout=1)
+        assert a.has_pending_send()
+    with pytest.raises(IPCError, match="unusable"):
+        a.flush(timeout=1)
+    a.close()
+    b.close()
