@@ -44,6 +44,8 @@ int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slic
 int ring_read_batch(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t view_base,
                     uint64_t slice_ns, int spin);
 void ring_release(ring_t *r);
+uint64_t ring_unread(ring_t *r);
+uint64_t ring_consumed(ring_t *r);
 void ring_close(ring_t *r);
 int ring_corrupt_detail(ring_t *r);
 void ring_stats(ring_t *r, uint64_t *out, uint32_t n);

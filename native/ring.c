@@ -81,7 +81,7 @@ struct ring_s {
     int w_mid; /* inside a large message: part of it is already published */
     /* consumer */
     uint64_t rpos, tail_pub, head_cache;
-    int r_state;
+    int r_state, r_state_pub; /* r_state_pub: the state at tail_pub, where ring_unread rewinds */
     /* waiting */
     uint64_t deadline;
     uint64_t spin_ns, spin_min, spin_max;
@@ -236,6 +236,7 @@ static void publish(ring_t *r)
 static void release(ring_t *r)
 {
     ring_hdr_t *h = r->h;
+    r->r_state_pub = r->r_state;
     if (r->rpos == r->tail_pub)
         return;
     /* NOTE release: our reads of the released records complete before the producer (acquiring
@@ -558,6 +559,19 @@ void ring_release(ring_t *r)
     if (r->role == RING_ROLE_CONSUMER && !r->corrupt)
         release(r);
 }
+
+uint64_t ring_unread(ring_t *r)
+{
+    if (r->role != RING_ROLE_CONSUMER || r->corrupt)
+        return UINT64_MAX;
+    /* The records between tail_pub and rpos are still ours (the producer reuses nothing past the
+     * published tail), so handing them out again is safe. */
+    r->rpos = r->tail_pub;
+    r->r_state = r->r_state_pub;
+    return r->tail_pub;
+}
+
+uint64_t ring_consumed(ring_t *r) { return r->tail_pub; }
 
 /* Scan available records into out[2*i] = payload offset from the region base,
  * out[2*i+1] = len | kind << 32.  Returns the entry count (0 = only WRAPs seen), or <0. */

@@ -64,6 +64,12 @@ int64_t ring_read1(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t slic
 int ring_read_batch(ring_t *r, uint64_t *out, uint32_t max_entries, uint64_t view_base,
                     uint64_t slice_ns, int spin);
 void ring_release(ring_t *r);
+/* Hand the entries of the last read out again on the next one (rewinds to the last release):
+ * for a caller that could not deliver them, e.g. an exception a signal handler raised as the read
+ * returned.  Returns the released position, as ring_consumed (UINT64_MAX if poisoned). */
+uint64_t ring_unread(ring_t *r);
+/* Bytes released so far: moves exactly when a read (or ring_release) gives entries back. */
+uint64_t ring_consumed(ring_t *r);
 
 void ring_close(ring_t *r);
 int ring_corrupt_detail(ring_t *r);

@@ -177,7 +177,7 @@ class Channel:
         # NOTE: keep the instance under 30 attributes: one more (a 30th) cost ~1k instructions a
         # send + recv (callgrind), as CPython 3.11's attribute caches stop covering the instance.
         self._pending: tuple[WriteCall, int] | None = None  # a write to finish first, and its nmsgs
-        self._partial: tuple[list[Buffer], bytearray] | None = None
+        self._partial: _Assembly | None = None  # a fragmented message being copied out
         self._out_n = 0
         self._grow_out(4096)
         # Reused argument arrays for single-message sends with aux frames.
@@ -490,70 +490,96 @@ class Channel:
         return msgs
 
     def _assemble(self, vals: list[int], timeout: float | None) -> list[Buffer]:
-        frames, buf = self._partial or ([], bytearray())
-        self._partial = None
+        asm = self._partial
+        if asm is None:
+            asm = self._partial = _Assembly()
         mv = self._mv
         base = self._rx_base
         while True:
+            # NOTE: the mark pairs the state before this batch with the ring position the batch
+            # was read from; _interrupted rolls back to it only while the ring is still there
+            # (no later read has released the batch).
+            asm.mark = (len(asm.frames), len(asm.buf), lib.ring_consumed(self._rxr))
             done = False
             for i in range(0, len(vals), 2):
                 o = vals[i] + base
                 lk = vals[i + 1]
-                buf += mv[o : o + (lk & _M32)]
+                asm.buf += mv[o : o + (lk & _M32)]
                 if lk & _FRAME_END:
-                    frames.append(buf)
-                    buf = bytearray()
+                    asm.frames.append(asm.buf)
+                    asm.buf = bytearray()
                 if lk & _MSG_END:
                     done = True
             if done:
-                return frames
-            try:
-                n = self._read(1, timeout)
-            except BaseException:
-                # Resumed by the next receive call (after a timeout, or an exception a signal
-                # handler raised while the read waited): the next fragment is not the start of a
-                # message.
-                self._partial = (frames, buf)
-                raise
+                return asm.frames  # the caller clears _partial once it delivered them
+            n = self._read(1, timeout)
             vals = self._outmv[: 2 * n].tolist()
+
+    def _interrupted(self) -> None:
+        """A receive ends with an exception: hand back what it read but did not deliver.
+
+        A timeout, a dead peer, or an exception a signal handler raised (KeyboardInterrupt, the
+        engine's SystemExit) as a read returned: the next receive gets the same entries again,
+        and a fragmented message resumes from the last batch it fully copied.
+        """
+        tail = lib.ring_unread(self._rxr)
+        asm = self._partial
+        if asm is not None and asm.mark[2] == tail:
+            nframes, nbytes, _ = asm.mark
+            if len(asm.frames) > nframes:
+                asm.buf = asm.frames[nframes]
+                del asm.frames[nframes:]
+            del asm.buf[nbytes:]
+
+    # NOTE: whatever ends a receive before it returns (a timeout, a dead peer, an exception a
+    # signal handler raised as a C read returned, be it KeyboardInterrupt, SystemExit or a
+    # SIGALRM timer's TimeoutError) goes through _interrupted, so what the read took comes back
+    # on the next receive.  Only a decode error consumes the message: it would fail again.
 
     def recv_bytes(self, timeout: float | None = None) -> list[Buffer]:
         """Receive one message as raw frames (views into the ring unless zero_copy=False)."""
-        sl = self._slice_ns if timeout is None else self._slice(timeout)
-        v = _read1(self._rxr, self._out, self._out_n, sl, 1)
-        if v > _M32:  # one frame, packed as offset << 32 | length
-            o = (v >> 32) + self._rx_base
-            frames: list[Buffer] = [self._mv[o : o + (v & _M32)]]
-        else:
-            n = v if v > 0 else self._read(1, timeout, v)
-            frames = self._collect(n, timeout)[0]
-        if not self._zero_copy:
-            frames = [bytes(f) for f in frames]
-            lib.ring_release(self._rxr)
+        try:
+            sl = self._slice_ns if timeout is None else self._slice(timeout)
+            v = _read1(self._rxr, self._out, self._out_n, sl, 1)
+            if v > _M32:  # one frame, packed as offset << 32 | length
+                o = (v >> 32) + self._rx_base
+                frames: list[Buffer] = [self._mv[o : o + (v & _M32)]]
+            else:
+                n = v if v > 0 else self._read(1, timeout, v)
+                frames = self._collect(n, timeout)[0]
+            if not self._zero_copy:
+                frames = [bytes(f) for f in frames]
+        except BaseException:
+            self._interrupted()
+            raise
+        self._partial = None
         return frames
 
     def recv(self, timeout: float | None = None) -> Any:
         """Receive and decode one message; TimeoutError, PeerDeadError, ChannelClosedError."""
-        sl = self._slice_ns if timeout is None else self._slice(timeout)
-        v = _read1(self._rxr, self._out, self._out_n, sl, 1)
-        if v > _M32 and self._zero_copy:  # one frame, packed as offset << 32 | length
-            o = (v >> 32) + self._rx_base
-            return self._decode_body(self._mv[o : o + (v & _M32)])
-        if v > _M32:
-            o = (v >> 32) + self._rx_base
-            frames: list[Buffer] = [self._mv[o : o + (v & _M32)]]
-        else:
-            n = v if v > 0 else self._read(1, timeout, v)
-            frames = self._collect(n, timeout)[0]
-        if not self._zero_copy:
-            frames = self._copy_out([frames])[0]
-        return self._decode(frames)
-
-    def _copy_out(self, msgs: list[list[Buffer]]) -> list[list[Buffer]]:
-        """zero_copy=False: private writable copies, then give the ring space back at once."""
-        out = [[bytearray(f) for f in m] for m in msgs]
-        lib.ring_release(self._rxr)
-        return out
+        try:
+            sl = self._slice_ns if timeout is None else self._slice(timeout)
+            v = _read1(self._rxr, self._out, self._out_n, sl, 1)
+            if v > _M32 and self._zero_copy:  # one frame, packed as offset << 32 | length
+                o = (v >> 32) + self._rx_base
+                return self._decode_body(self._mv[o : o + (v & _M32)])
+            if v > _M32:
+                o = (v >> 32) + self._rx_base
+                frames: list[Buffer] = [bytearray(self._mv[o : o + (v & _M32)])]
+            else:
+                n = v if v > 0 else self._read(1, timeout, v)
+                frames = self._collect(n, timeout)[0]
+                if not self._zero_copy:
+                    frames = _copy([frames])[0]
+            obj = self._decode(frames)
+        except _DECODE_ERRORS:
+            self._partial = None
+            raise
+        except BaseException:
+            self._interrupted()
+            raise
+        self._partial = None
+        return obj
 
     def release(self) -> None:
         """Declare the views from the last receive dead, so the producer may reuse that space.
@@ -569,55 +595,37 @@ class Channel:
         A message that does not decode comes back as a ``MalformedMessage`` in its place, so it
         never costs the others of the batch (``recv`` raises the decode error instead).
         """
-        n = _readb(self._rxr, self._out, self._out_n, self._rx_base, self._slice(timeout), 1)
-        if n & _BATCH_SIMPLE and self._zero_copy and n > 0:
-            # Common case: single-frame messages only, offsets already relative to the mapping.
-            vals = self._outmv[: 2 * (n & ~_BATCH_SIMPLE)].tolist()
-            dec = self._decode_body
-            mv = self._mv
-            bodies = [mv[o : o + (lk & _M32)] for o, lk in zip(vals[::2], vals[1::2], strict=True)]
-            try:
-                return [dec(b) for b in bodies]
-            except _DECODE_ERRORS:
-                # NOTE: the views are still valid (no receive since); decode one by one so a bad
-                # message costs only itself.
-                return [_decode_or_mark(dec, b) for b in bodies]
-        if n > 0:
-            # The offsets were shifted by the region base; shift them back for _collect.
-            n &= ~_BATCH_SIMPLE
-            for i in range(0, 2 * n, 2):
-                self._out[i] -= self._rx_base
-        else:
-            n = self._read(0xFFFFFFFF, timeout, n)
-        if not self._zero_copy:
-            dec = self._decode
-            return [_decode_or_mark(dec, m) for m in self._copy_out(self._collect(n, timeout))]
-        if self._partial is not None:
-            return [self._decode(self._collect(n, timeout)[0])]
-        vals = self._outmv[: 2 * n].tolist()
-        if vals[1] & _LARGE:
-            return [self._decode(self._collect(n, timeout)[0])]
-        mv = self._mv
-        base = self._rx_base
-        dec = self._decode
-
-        def decode(frames: Sequence[Buffer]) -> Any:
-            return _decode_or_mark(dec, frames)
-
-        out = []
-        cur: list[Buffer] = []
-        for i in range(0, 2 * n, 2):
-            o = vals[i] + base
-            lk = vals[i + 1]
-            # NOTE: the last frame of a multi-frame message carries the same flags as a
-            # single-frame message; only a record that starts a message can be "simple".
-            if not cur and lk >> 32 == _SIMPLE >> 32:
-                out.append(decode((mv[o : o + (lk & _M32)],)))
+        try:
+            n = _readb(self._rxr, self._out, self._out_n, self._rx_base, self._slice(timeout), 1)
+            if n & _BATCH_SIMPLE and self._zero_copy and n > 0:
+                # Common case: single-frame messages only, offsets already relative to the mapping.
+                vals = self._outmv[: 2 * (n & ~_BATCH_SIMPLE)].tolist()
+                dec = self._decode_body
+                mv = self._mv
+                bodies = [
+                    mv[o : o + (lk & _M32)] for o, lk in zip(vals[::2], vals[1::2], strict=True)
+                ]
+                try:
+                    return [dec(b) for b in bodies]
+                except _DECODE_ERRORS:
+                    # NOTE: the views are still valid (no receive since); decode one by one so a
+                    # bad message costs only itself.
+                    return [_decode_or_mark(dec, b) for b in bodies]
+            if n > 0:
+                # The offsets were shifted by the region base; shift them back for _collect.
+                n &= ~_BATCH_SIMPLE
+                for i in range(0, 2 * n, 2):
+                    self._out[i] -= self._rx_base
             else:
-                cur.append(mv[o : o + (lk & _M32)])
-                if lk & _MSG_END:
-                    out.append(decode(cur))
-                    cur = []
+                n = self._read(0xFFFFFFFF, timeout, n)
+            msgs = self._collect(n, timeout)
+            if not self._zero_copy:
+                msgs = _copy(msgs)
+            out = [_decode_or_mark(self._decode, m) for m in msgs]
+        except BaseException:
+            self._interrupted()
+            raise
+        self._partial = None
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -657,6 +665,23 @@ class Channel:
 
 
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+class _Assembly:
+    """A fragmented message being copied out of the ring, batch by batch."""
+
+    __slots__ = ("frames", "buf", "mark")
+
+    def __init__(self) -> None:
+        self.frames: list[Buffer] = []
+        self.buf = bytearray()
+        # Before the latest batch: (frames, bytes of the open frame, ring_consumed at its read).
+        self.mark = (0, 0, 0)
+
+
+def _copy(msgs: list[list[Buffer]]) -> list[list[Buffer]]:
+    """zero_copy=False: private writable copies (the ring space returns at the next receive)."""
+    return [[bytearray(f) for f in m] for m in msgs]
 
 
 def _decode_or_mark(decode: Callable[[Any], Any], data: Any) -> Any:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -462,3 +463,106 @@ def test_a_fragmented_send_cut_by_an_error_leaves_the_send_side_unusable(
         a.flush(timeout=1)
     a.close()
     b.close()
+
+
+class _InterruptAfter:
+    """Wraps a C read: the ``nth`` call that returns entries raises _Interrupt as it returns,
+    as a signal handler would (its exception surfaces as soon as the C call is back)."""
+
+    def __init__(self, fn: Any, nth: int) -> None:
+        self.fn, self.nth, self.hits = fn, nth, 0
+
+    def __call__(self, *args: Any) -> Any:
+        rc = self.fn(*args)
+        if rc > 0:
+            self.hits += 1
+            if self.hits == self.nth:
+                raise _Interrupt()
+        return rc
+
+
+class _LibProxy:
+    """The channel module's ``lib`` with some functions replaced."""
+
+    def __init__(self, lib: Any, **replaced: Any) -> None:
+        self._lib, self._replaced = lib, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self._replaced.get(name) or getattr(self._lib, name)
+
+
+@pytest.mark.parametrize("method", ["recv", "recv_bytes", "recv_all"])
+def test_messages_a_read_returned_as_an_interrupt_hit_come_back(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    from shm_engine.ipc import channel as channel_mod
+
+    a, b = channel_pair(4096)
+    a.send_many([b"one", b"two", b"three"])
+    name = {"recv": "_read1", "recv_bytes": "_read1", "recv_all": "_readb"}[method]
+    monkeypatch.setattr(channel_mod, name, _InterruptAfter(getattr(channel_mod, name), 1))
+    with pytest.raises(_Interrupt):
+        getattr(b, method)(timeout=1)
+    got: list = []
+    while len(got) < 3:
+        r = getattr(b, method)(timeout=1)
+        got += r if method == "recv_all" else [r]
+    if method == "recv_bytes":
+        got = [msgspec.msgpack.decode(g[0]) for g in got]
+    assert got == [b"one", b"two", b"three"]
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3, 4])  # the message takes 6+ reads
+@pytest.mark.parametrize("where", ["as a read returns", "before a read starts"])
+def test_a_fragmented_message_interrupted_anywhere_arrives_whole(
+    monkeypatch: pytest.MonkeyPatch, nth: int, where: str
+) -> None:
+    from shm_engine.ipc import channel as channel_mod
+    from shm_engine.ipc.channel import Channel
+
+    a, b = channel_pair(4096)
+    big = [b"head", children.payload(nth, 5 * 4096), b"tail" * 300]
+    sender = threading.Thread(target=lambda: (a.send_bytes(big), a.send_bytes([b"next"])))
+    sender.start()
+    time.sleep(0.05)  # the first fragments are in: the first read returns them
+    if where == "as a read returns":
+        reads = _InterruptAfter(channel_mod.lib.ring_read, nth - 1)  # the 1st is ring_read1
+        first = _InterruptAfter(channel_mod._read1, 1 if nth == 1 else 0)
+        monkeypatch.setattr(channel_mod, "_read1", first)
+        monkeypatch.setattr(channel_mod, "_readn", reads)
+        monkeypatch.setattr(channel_mod, "lib", _LibProxy(channel_mod.lib, ring_read=reads))
+    else:  # the batch before was copied, but no read has given its ring space back yet
+        real_read = Channel._read
+        calls = iter(range(nth, 0, -1))
+
+        def interrupted_read(self: Any, *args: Any) -> int:
+            if next(calls) == 1:
+                raise _Interrupt()
+            return real_read(self, *args)
+
+        monkeypatch.setattr(Channel, "_read", interrupted_read)
+    with pytest.raises(_Interrupt):
+        b.recv_bytes(timeout=5)
+    monkeypatch.undo()
+    assert [bytes(f) for f in b.recv_bytes(timeout=5)] == big
+    assert bytes(b.recv_bytes(timeout=5)[0]) == b"next"
+    sender.join(5)
+
+
+def test_only_a_decode_error_consumes_the_message_being_decoded() -> None:
+    a, b = channel_pair(4096)
+    a.send_bytes([b"\xc1"])  # never valid msgpack
+    a.send_many(["first", "second"])
+    with pytest.raises(msgspec.DecodeError):
+        b.recv(timeout=1)  # consumed: handing it back would fail the same way forever
+    real = b._decode_body
+
+    def alarm_fires(body: Any) -> Any:  # e.g. a SIGALRM timer's handler, while decoding
+        b._decode_body = real
+        raise TimeoutError("timer")
+
+    b._decode_body = alarm_fires
+    with pytest.raises(TimeoutError, match="timer"):
+        b.recv(timeout=1)
+    assert b.recv(timeout=1) == "first"
+    assert b.recv(timeout=1) == "second"
