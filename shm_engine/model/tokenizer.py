@@ -77,23 +77,31 @@ _DEEPSEEK_LLM_PATTERNS = (
 # LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_CODER
 _DEEPSEEK_CODER_PATTERNS = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", _DEEPSEEK_CJK, "\\p{N}")
 
-# `tokenizer.ggml.pre` name -> pre-tokenizer family, as llama.cpp's llama_vocab::impl::load maps
-# the names (plus our historical "gpt2" and "qwen"). llama.cpp refuses to load any other name, and
-# so do we: a wrong split tokenizes plausibly but differently from the model's training.
+# `tokenizer.ggml.pre` name -> pre-tokenizer family, for the names llama.cpp's
+# llama_vocab::impl::load maps to a split we reproduce (plus our historical "gpt2" and "qwen").
+# Any other name is refused, as llama.cpp refuses names it does not know: a wrong split tokenizes
+# plausibly but differently from the model's training. (Names llama.cpp gives extra behaviour we
+# lack, such as "roberta-bpe"'s added SEP, or a split of its own, such as "mpt", stay refused.)
 #   gpt2:   the GPT-2 split (ByteLevel's own regex; llama.cpp has regexes of its own for
 #           "poro-chat", "viking" and "default", not reproduced here)
 #   digits: single digits, then the GPT-2 split (SmolLM2, StarCoder, ...)
 #   others: the Split regexes in _PRE_SPLITS
 _PRE_FAMILY: dict[str, str] = {
-    **dict.fromkeys(("default", "gpt-2", "gpt2", "olmo", "jais", "poro-chat", "viking"), "gpt2"),
+    **dict.fromkeys(
+        ("default", "gpt-2", "gpt2", "olmo", "jais", "poro-chat", "viking", "phi-2", "gigachat")
+        + ("jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert"),
+        "gpt2",
+    ),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"),
         "digits",
     ),
     **dict.fromkeys(
-        ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe"), "llama3"
+        ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0")
+        + ("lfm2", "dbrx", "smaug-bpe"),
+        "llama3",
     ),
-    **dict.fromkeys(("qwen2", "qwen", "deepseek-r1-qwen", "megrez"), "qwen2"),
+    **dict.fromkeys(("qwen2", "qwen", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"), "qwen2"),
     "tekken": "tekken",
     "deepseek-llm": "deepseek-llm",
     "deepseek-coder": "deepseek-coder",
@@ -108,7 +116,10 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 # families whose BPE first looks a whole pre-token up in the vocabulary (llama.cpp ignore_merges)
 _IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
 # names for which llama.cpp adds BOS when the GGUF has no tokenizer.ggml.add_bos_token
-_ADD_BOS_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "tekken"})
+_ADD_BOS_PRE = frozenset(
+    {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
+    | {"tekken"}
+)
 
 
 class Tokenizer:
