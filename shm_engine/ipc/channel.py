@@ -39,7 +39,6 @@ _M32 = 0xFFFFFFFF
 _MSG_END = lib.RING_F_MSG_END << 32
 _FRAME_END = lib.RING_F_FRAME_END << 32
 _LARGE = lib.RING_F_LARGE << 32
-_SIMPLE = (lib.RING_K_DATA | lib.RING_F_FRAME_END | lib.RING_F_MSG_END) << 32
 _EAGAIN = lib.RING_EAGAIN
 _ENOBUFS = -105
 _write1 = lib.ring_write1

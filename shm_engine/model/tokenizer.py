@@ -77,6 +77,18 @@ _DEEPSEEK_LLM_PATTERNS = (
 # LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_CODER
 _DEEPSEEK_CODER_PATTERNS = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", _DEEPSEEK_CJK, "\\p{N}")
 
+# the Llama 3 split's names for which llama.cpp also adds BOS (see _ADD_BOS_PRE)
+_LLAMA3_BOS_NAMES = (
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+)
+
 # `tokenizer.ggml.pre` name -> pre-tokenizer family, for the names llama.cpp's
 # llama_vocab::impl::load maps to a split we reproduce (plus our historical "gpt2" and "qwen").
 # Any other name is refused, as llama.cpp refuses names it does not know: a wrong split tokenizes
@@ -96,11 +108,7 @@ _PRE_FAMILY: dict[str, str] = {
         ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"),
         "digits",
     ),
-    **dict.fromkeys(
-        ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0")
-        + ("lfm2", "dbrx", "smaug-bpe"),
-        "llama3",
-    ),
+    **dict.fromkeys((*_LLAMA3_BOS_NAMES, "dbrx", "smaug-bpe"), "llama3"),
     **dict.fromkeys(("qwen2", "qwen", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"), "qwen2"),
     "tekken": "tekken",
     "deepseek-llm": "deepseek-llm",
@@ -116,10 +124,7 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 # families whose BPE first looks a whole pre-token up in the vocabulary (llama.cpp ignore_merges)
 _IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
 # names for which llama.cpp adds BOS when the GGUF has no tokenizer.ggml.add_bos_token
-_ADD_BOS_PRE = frozenset(
-    {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
-    | {"tekken"}
-)
+_ADD_BOS_PRE = frozenset((*_LLAMA3_BOS_NAMES, "tekken"))
 
 
 class Tokenizer:
