@@ -78,7 +78,9 @@ struct ring_s {
     uint64_t head, head_pub, tail_cache;
     uint32_t w_msg, w_frame0, w_frame; /* resumable write cursor (RING_EAGAIN mid-call) */
     uint64_t w_blob, w_off;
-    int w_mid; /* inside a large message: part of it is already published */
+    int w_mid;    /* inside a large message: part of it is already published */
+    int w_active; /* a write call owns the cursor: started (RING_W_FRESH), not finished/aborted */
+    int w_broken; /* a large message was cut off mid-way: every later write fails */
     /* consumer */
     uint64_t rpos, tail_pub, head_cache;
     int r_state, r_state_pub; /* r_state_pub: the state at tail_pub, where ring_unread rewinds */
@@ -408,8 +410,16 @@ static int reserve(ring_t *r, uint64_t rec, int spin, uint64_t *off_out)
     return RING_OK;
 }
 
+static void reset_cursor(ring_t *r)
+{
+    r->w_msg = r->w_frame0 = r->w_frame = 0;
+    r->w_blob = r->w_off = 0;
+    r->w_mid = 0;
+    r->w_active = 0;
+}
+
 int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint64_t *lens,
-               const uint32_t *nframes, uint32_t nmsgs, uint64_t slice_ns, int spin)
+               const uint32_t *nframes, uint32_t nmsgs, uint64_t slice_ns, int flags)
 {
     if (r->corrupt)
         return RING_ECORRUPT;
@@ -420,10 +430,28 @@ int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint6
     if (atomic_load_explicit(&r->h->prod_closed, memory_order_relaxed) ||
         atomic_load_explicit(&r->h->cons_closed, memory_order_acquire))
         return RING_ECLOSED;
+    if (r->w_broken)
+        return RING_EBROKEN;
+    /* NOTE: the cursor's owner.  A fresh call takes it over; a resume (no RING_W_FRESH) is only
+     * ever made by the call that left it (channel.py keeps that call pending).  Python's
+     * bookkeeping of this can be cut short by a second signal (an exception raised inside the
+     * handler of the first), so the C side does not trust it: a fresh call over a half-published
+     * large message breaks the send side instead of splicing its own bytes onto that message,
+     * and a resume of a call that already finished or was aborted writes nothing again. */
+    if (flags & RING_W_FRESH) {
+        if (r->w_mid) {
+            reset_cursor(r);
+            r->w_broken = 1;
+            return RING_EBROKEN;
+        }
+        reset_cursor(r); /* at a message boundary: what the lost call had not sent is dropped */
+        r->w_active = 1;
+    } else if (!r->w_active) {
+        return RING_OK;
+    }
     if (r->w_msg || r->w_mid) {
-        /* NOTE: resuming.  Only the call that left the cursor may resume it (channel.py settles
-         * the cursor whenever a write ends early), but the offsets are re-derived from this
-         * call's own arrays, so even a wrong resume never reads outside them. */
+        /* Resuming: the offsets are re-derived from this call's own arrays, so even a wrong
+         * resume never reads outside them. */
         if (r->w_msg >= nmsgs)
             return RING_EINVAL;
         uint64_t f0 = 0, boff = 0;
@@ -436,6 +464,7 @@ int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint6
         r->w_blob = boff;
     }
     set_deadline(r, slice_ns);
+    const int spin = flags & RING_W_SPIN;
     const uint64_t batch_pub = r->cap / 8 < 65536 ? r->cap / 8 : 65536;
     int rc;
     while (r->w_msg < nmsgs) {
@@ -527,15 +556,13 @@ int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint6
         r->w_msg++;
     }
     publish(r);
-    r->w_msg = r->w_frame0 = r->w_frame = 0;
-    r->w_blob = r->w_off = 0;
-    r->w_mid = 0;
+    reset_cursor(r);
     return RING_OK;
 }
 
-int ring_write1(ring_t *r, const char *buf, uint64_t len, uint64_t slice_ns, int spin)
+int ring_write1(ring_t *r, const char *buf, uint64_t len, uint64_t slice_ns, int flags)
 {
-    return ring_write(r, buf, NULL, &len, NULL, 1, slice_ns, spin);
+    return ring_write(r, buf, NULL, &len, NULL, 1, slice_ns, flags);
 }
 
 uint32_t ring_write_progress(ring_t *r, int *mid_message)
@@ -546,11 +573,14 @@ uint32_t ring_write_progress(ring_t *r, int *mid_message)
 
 void ring_write_abort(ring_t *r)
 {
-    /* Only valid at a message boundary (w_mid == 0): nothing of the current message was written. */
-    r->w_msg = r->w_frame0 = r->w_frame = 0;
-    r->w_blob = r->w_off = 0;
-    r->w_mid = 0;
+    /* Inside a large message the consumer already holds its head and waits for a rest that will
+     * never come: anything written after it would be read as that rest. */
+    if (r->w_mid)
+        r->w_broken = 1;
+    reset_cursor(r);
 }
+
+int ring_write_broken(ring_t *r) { return r->w_broken; }
 
 /* ---- consumer ------------------------------------------------------------------------------ */
 

@@ -19,6 +19,7 @@
 #define RING_ECLOSED (-32) /* the peer closed its end (consumer: only after draining) */
 #define RING_ECORRUPT (-74) /* a bounds/format check on shared memory failed; ring is poisoned */
 #define RING_EINVAL (-22)  /* bad argument from the local caller */
+#define RING_EBROKEN (-71) /* a large message was cut off mid-way: the send side is unusable */
 
 /* Record kinds (low byte) and flags. */
 #define RING_K_WRAP 1u
@@ -46,11 +47,19 @@ ring_t *ring_open(uint8_t *base, uint64_t region_size, int role, int *err);
 void ring_free(ring_t *r);
 void ring_set_spin(ring_t *r, uint64_t min_ns, uint64_t max_ns);
 
+/* Write flags.  RING_W_FRESH starts a new call (the first attempt of a send); without it the
+ * call resumes the cursor the same call left after RING_EAGAIN, and is a no-op when that call
+ * already finished or was aborted.  RING_W_SPIN spins briefly before parking on the semaphore. */
+#define RING_W_SPIN 1
+#define RING_W_FRESH 2
 int ring_write(ring_t *r, const char *blob, const char *const *ptrs, const uint64_t *lens,
-               const uint32_t *nframes, uint32_t nmsgs, uint64_t slice_ns, int spin);
-int ring_write1(ring_t *r, const char *buf, uint64_t len, uint64_t slice_ns, int spin);
+               const uint32_t *nframes, uint32_t nmsgs, uint64_t slice_ns, int flags);
+int ring_write1(ring_t *r, const char *buf, uint64_t len, uint64_t slice_ns, int flags);
 uint32_t ring_write_progress(ring_t *r, int *mid_message);
+/* Drop the cursor (a write ended early for good); inside a large message this breaks the send
+ * side: every later write returns RING_EBROKEN. */
 void ring_write_abort(ring_t *r);
+int ring_write_broken(ring_t *r);
 
 int ring_read(ring_t *r, uint64_t *out, uint32_t max_entries, uint32_t max_msgs,
               uint64_t slice_ns, int spin);

@@ -40,6 +40,9 @@ _MSG_END = lib.RING_F_MSG_END << 32
 _FRAME_END = lib.RING_F_FRAME_END << 32
 _LARGE = lib.RING_F_LARGE << 32
 _EAGAIN = lib.RING_EAGAIN
+_SPIN = lib.RING_W_SPIN
+_FRESH = lib.RING_W_FRESH  # the first attempt of a write call (the others resume its cursor)
+_SPIN_FRESH = _SPIN | _FRESH
 _ENOBUFS = -105
 _write1 = lib.ring_write1
 _read1 = lib.ring_read1
@@ -82,15 +85,10 @@ def init_segment(mm: mmap.mmap, capacity: int) -> None:
         ffi.release(buf)
 
 
-# A write: call(slice_ns, spin, nmsgs) -> rc, a closure over the arrays it keeps alive; the C
+# A write: call(slice_ns, flags, nmsgs) -> rc, a closure over the arrays it keeps alive; the C
 # write cursor resumes it after RING_EAGAIN.  ``nmsgs`` may be lower than the batch's length: a
 # pending write stops after the fragmented message it left part published.
 WriteCall = Callable[[int, int, int], int]
-
-
-def _broken_send(slice_ns: int, spin: int, nmsgs: int) -> int:
-    """Stands in for the pending write once a fragmented message was cut off by an error."""
-    raise IPCError("the send side is unusable: a fragmented message was interrupted by an error")
 
 
 def _send_timeout(sent: int, nmsgs: int, mid: bool) -> TimeoutError:
@@ -204,6 +202,11 @@ class Channel:
         if rc == lib.RING_ECORRUPT:
             detail = _CORRUPT_DETAIL.get(lib.ring_corrupt_detail(ring.r), "unknown")
             raise RingCorruptError(f"shared-memory ring is corrupt: {detail}")
+        if rc == lib.RING_EBROKEN:
+            raise IPCError(
+                "the send side is unusable: a fragmented message was cut off by an error, and "
+                "anything sent after it would be read as its rest"
+            )
         raise IPCError(f"ring call failed ({rc})")
 
     def _check_alive(self, ring: _Ring) -> None:
@@ -224,7 +227,9 @@ class Channel:
     # NOTE: the C write cursor belongs to one write call at a time.  Whatever ends a write early
     # (an error, a timeout, or an exception a signal handler raises as the C call returns) goes
     # through _settle, which keeps the call pending if part of a fragmented message is already
-    # published, or else resets the cursor: no later call resumes it with other arrays.
+    # published, or else resets the cursor: no later call resumes it with other arrays.  A
+    # second signal can cut _settle itself short; the C side then refuses what would corrupt
+    # the stream (see RING_W_FRESH in ring.h), so the worst case is a broken send side.
 
     def _settle(self, call: WriteCall, broken: bool) -> int:
         """Leave the cursor in a state the next send can trust; returns the messages sent."""
@@ -233,9 +238,10 @@ class Channel:
         if mid[0] and not broken:
             self._pending = (call, sent + 1)  # finish that message, nothing after it
         else:
+            # After an error mid-message the consumer holds the head of a message whose rest
+            # never comes: the C side then refuses every later write (RING_EBROKEN).
             lib.ring_write_abort(self._txr)
-            # After an error the consumer holds the head of a message whose rest never comes.
-            self._pending = (_broken_send, 1) if mid[0] else None
+            self._pending = None
         return sent
 
     def _deadline_slice(self, deadline: float | None) -> int:
@@ -244,19 +250,25 @@ class Channel:
         return min(self._slice_ns, max(0, int((deadline - time.monotonic()) * 1e9) + 1))
 
     def _drive(
-        self, call: WriteCall, nmsgs: int, deadline: float | None, rc: int | None = None
+        self,
+        call: WriteCall,
+        nmsgs: int,
+        deadline: float | None,
+        rc: int | None = None,
+        fresh: bool = True,
     ) -> None:
         """Run a write to completion in wait slices, checking liveness and the deadline between.
 
-        ``rc`` is the result of a first attempt a fast path already made.
+        ``rc`` is the result of a first attempt a fast path already made; ``fresh`` is False
+        when finishing a pending call.
         """
-        spin = 1
+        flags = _SPIN_FRESH if fresh and rc is None else _SPIN
         settled = False
         try:
             while True:
                 if rc is None:
-                    rc = call(self._deadline_slice(deadline), spin, nmsgs)
-                    spin = 0
+                    rc = call(self._deadline_slice(deadline), flags, nmsgs)
+                    flags = 0
                 if rc == 0:
                     self._pending = None
                     return
@@ -284,10 +296,8 @@ class Channel:
         """Complete the fragmented message an earlier send left part written."""
         assert self._pending is not None
         call, nmsgs = self._pending
-        if call is _broken_send:  # stays pending: every later send must fail the same way
-            _broken_send(0, 0, nmsgs)
         try:
-            self._drive(call, nmsgs, deadline)
+            self._drive(call, nmsgs, deadline, fresh=False)
         except TimeoutError:
             err = TimeoutError("send timed out finishing a fragmented message of an earlier send")
             err.sent = 0  # type: ignore[attr-defined]
@@ -332,9 +342,9 @@ class Channel:
                 i += 1
         tx = self._tx.r
 
-        def call(slice_ns: int, spin: int, nmsgs: int) -> int:
+        def call(slice_ns: int, flags: int, nmsgs: int) -> int:
             keep  # noqa: B018  (keeps the buffers alive while a pending write may resume)
-            return lib.ring_write(tx, ffi.NULL, ptrs, lens, nfr, nmsgs, slice_ns, spin)
+            return lib.ring_write(tx, ffi.NULL, ptrs, lens, nfr, nmsgs, slice_ns, flags)
 
         self._write(call, len(msgs), timeout)
 
@@ -355,15 +365,15 @@ class Channel:
         if self._pending is None:
             sl = self._slice_ns if timeout is None else self._slice(timeout)
             try:
-                rc = _write1(tx, body, n, sl, 1)
+                rc = _write1(tx, body, n, sl, _SPIN_FRESH)
             except BaseException:  # a signal handler's exception as the call returned
-                self._settle(lambda s, sp, nm: _write1(tx, body, n, s, sp), broken=False)
+                self._settle(lambda s, fl, nm: _write1(tx, body, n, s, fl), broken=False)
                 raise
             if rc == 0:
                 return
-            self._write(lambda s, sp, nm: _write1(tx, body, n, s, sp), 1, timeout, rc)
+            self._write(lambda s, fl, nm: _write1(tx, body, n, s, fl), 1, timeout, rc)
         else:
-            self._write(lambda s, sp, nm: _write1(tx, body, n, s, sp), 1, timeout)
+            self._write(lambda s, fl, nm: _write1(tx, body, n, s, fl), 1, timeout)
 
     def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
         """Send a batch with one C call (one head publish, at most one wake-up)."""
@@ -402,8 +412,8 @@ class Channel:
         clens = ffi.from_buffer("uint64_t[]", lens)
         tx = self._tx.r
 
-        def call(slice_ns: int, spin: int, nmsgs: int) -> int:
-            return lib.ring_write(tx, cbuf, ffi.NULL, clens, ffi.NULL, nmsgs, slice_ns, spin)
+        def call(slice_ns: int, flags: int, nmsgs: int) -> int:
+            return lib.ring_write(tx, cbuf, ffi.NULL, clens, ffi.NULL, nmsgs, slice_ns, flags)
 
         self._write(call, len(lens), timeout)
 
@@ -415,12 +425,15 @@ class Channel:
         """Finish the message a timed-out send left part written; a no-op when there is none.
 
         The next send would do this first anyway; a producer with nothing more to send calls
-        it so the consumer is not left waiting on the rest of a message.
+        it so the consumer is not left waiting on the rest of a message.  Raises IPCError when
+        an error cut such a message off (the send side is unusable).
         """
         if self._closed:
             raise ChannelClosedError("channel closed locally")
         if self._pending is not None:
             self._finish_pending(None if timeout is None else time.monotonic() + timeout)
+        elif lib.ring_write_broken(self._txr):
+            self._raise(lib.RING_EBROKEN, self._tx)
 
     def send_bytes(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
         """Send one message made of raw frames (no codec)."""

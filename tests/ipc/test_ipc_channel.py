@@ -458,11 +458,104 @@ def test_a_fragmented_send_cut_by_an_error_leaves_the_send_side_unusable(
     for _ in range(3):
         with pytest.raises(IPCError, match="unusable"):
             a.send_bytes([b"after"], timeout=1)
-        assert a.has_pending_send()
+        assert not a.has_pending_send()  # nothing flush could finish
     with pytest.raises(IPCError, match="unusable"):
         a.flush(timeout=1)
     a.close()
     b.close()
+
+
+class _InterruptOnReturn:
+    """Wraps a C write: raises _Interrupt as the call returns ``rc`` (the first time only)."""
+
+    def __init__(self, fn: Any, rc: int) -> None:
+        self.fn, self.rc, self.fired = fn, rc, False
+
+    def __call__(self, *args: Any) -> Any:
+        rc = self.fn(*args)
+        if rc == self.rc and not self.fired:
+            self.fired = True
+            raise _Interrupt()
+        return rc
+
+
+def _second_interrupt_in_settle(monkeypatch: pytest.MonkeyPatch, write_returns: int) -> None:
+    """A first interrupt as a ring_write returns ``write_returns``, and a second one inside the
+    channel's bookkeeping of it (Channel._settle), so the Python side records nothing."""
+    from shm_engine.ipc import channel as channel_mod
+
+    lib = channel_mod.lib
+    write = _InterruptOnReturn(lib.ring_write, write_returns)
+
+    def progress(*args: Any) -> Any:
+        raise _Interrupt()
+
+    proxy = _LibProxy(lib, ring_write=write, ring_write_progress=progress)
+    monkeypatch.setattr(channel_mod, "lib", proxy)
+
+
+def test_a_second_interrupt_cutting_the_bookkeeping_short_splices_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The channel lost track of a half-published fragmented message: the next fresh send must
+    # not be written as its rest (the C side refuses it) and the consumer gets no message.
+    from shm_engine.ipc import channel as channel_mod
+    from shm_engine.ipc.errors import IPCError
+
+    a, b = channel_pair(4096)
+    _second_interrupt_in_settle(monkeypatch, channel_mod.lib.RING_EAGAIN)
+    with pytest.raises(_Interrupt):
+        a.send_bytes([b"head", children.payload(5, 3 * 4096)])  # nobody reads: EAGAIN
+    monkeypatch.undo()
+    assert not a.has_pending_send()  # the bookkeeping never happened
+    got: list = []
+    t = _drain_frames(b, got)
+    for nxt in ([b"h", children.payload(6, 3 * 4096)], [b"short"]):
+        with pytest.raises(IPCError, match="unusable"):
+            a.send_bytes(nxt, timeout=1)
+    t.join(10)
+    assert got == []
+
+
+def test_a_finished_write_whose_bookkeeping_was_cut_short_is_not_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+
+    a, b = channel_pair(4096)
+    big = [b"head", children.payload(7, 3 * 4096)]
+    with pytest.raises(TimeoutError):
+        a.send_bytes(big, timeout=0.05)
+    assert a.has_pending_send()
+    got: list = []
+    t = _drain_frames(b, got)
+    _second_interrupt_in_settle(monkeypatch, 0)
+    with pytest.raises(_Interrupt):
+        a.flush(timeout=5)  # the message is completed, then both interrupts hit
+    monkeypatch.undo()
+    assert a.has_pending_send()  # stale: its C cursor is already finished
+    a.send_bytes([b"next"], timeout=5)  # resumes the stale call first: a no-op in C
+    assert not a.has_pending_send()
+    t.join(10)
+    assert got == [big, [b"next"]]
+
+
+def test_a_batch_whose_bookkeeping_was_cut_short_at_a_boundary_leaves_a_usable_channel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shm_engine.ipc import channel as channel_mod
+
+    a, b = channel_pair(4096)
+    batch = [b"m%d" % i + b"." * 900 for i in range(10)]
+    _second_interrupt_in_settle(monkeypatch, channel_mod.lib.RING_EAGAIN)
+    with pytest.raises(_Interrupt):
+        a.send_many(batch)  # four fit, then it waits for room
+    monkeypatch.undo()
+    got: list = []
+    t = _drain_frames(b, got)
+    a.send_bytes([b"after"], timeout=5)  # a fresh call: drops the rest of the lost batch
+    t.join(10)
+    assert [m[0][3:5] for m in got[:4]] == [b"m0", b"m1", b"m2", b"m3"]
+    assert got[4:] == [[b"after"]]
 
 
 class _InterruptAfter:
