@@ -140,10 +140,23 @@ class LogprobFormatter:
     def __init__(self, tokens: TokenTable) -> None:
         self.tokens = tokens
 
-    def advance(self, cur: LogprobCursor, tid: int, skip_special: bool) -> int:
+    def _text_bytes(self, c: CompletionOutput, done: int, tid: int, skip_special: bool) -> bytes:
+        """The bytes token ``tid`` adds to ``c.text`` when ``done`` bytes of it come before.
+
+        NOTE: SentencePiece decoders drop the leading space of the first piece they decode, so
+        with no prompt text before it (an empty or all-special prompt) the text starts one byte
+        short of the first piece's own bytes.  Whether that happened is read off the text
+        itself, so offsets follow what the detokenizer produced, not what the vocabulary says.
+        """
+        b = self.tokens.text_bytes(tid, skip_special)
+        if done == 0 and b[:1] == b" " and not c.text.startswith(" "):
+            return b[1:]
+        return b
+
+    def advance(self, c: CompletionOutput, cur: LogprobCursor, tid: int, skip_special: bool) -> int:
         """The ``text_offset`` of the cursor's next token, ``tid``; moves the cursor past it."""
         offset = cur.offset
-        b = self.tokens.text_bytes(tid, skip_special)
+        b = self._text_bytes(c, cur.text_bytes, tid, skip_special)
         cur.offset += len(cur.utf8.decode(b))
         cur.text_bytes += len(b)
         cur.tokens += 1
@@ -171,7 +184,7 @@ class LogprobFormatter:
             tokens.append(self.tokens.string(tid))
             token_lps.append(lps.get(tid))
             tops.append(self._top_dict(lps))
-            offsets.append(self.advance(cur, tid, skip_special))
+            offsets.append(self.advance(c, cur, tid, skip_special))
         return {
             "tokens": tokens,
             "token_logprobs": token_lps,
@@ -190,7 +203,7 @@ class LogprobFormatter:
         content = []
         start = cur.tokens
         for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
-            self.advance(cur, tid, skip_special)
+            self.advance(c, cur, tid, skip_special)
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
             entry = self._chat_entry(tid, lps.get(tid))
             entry["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in top]
@@ -209,7 +222,7 @@ class LogprobFormatter:
         ids = c.token_ids
         n, size = cur.tokens, cur.text_bytes
         while n < len(ids):
-            size += len(self.tokens.text_bytes(ids[n], skip_special))
+            size += len(self._text_bytes(c, size, ids[n], skip_special))
             if size > sent_bytes:
                 break
             n += 1

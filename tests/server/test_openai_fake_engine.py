@@ -188,6 +188,42 @@ def test_streamed_completion_logprobs_match_the_non_streamed(fake) -> None:
     assert all(t in top for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
 
 
+def spm_tokenizer() -> Tokenizer:
+    """SentencePiece style: U+2581 for a space, prepended to the text, and a decoder that drops
+    the first piece's leading space (so the text can start a byte short of the tokens)."""
+    pieces = ["<unk>", "</s>", "\u2581", "a", "b", "ab", "\u2581a", "\u2581ab"]
+    merges = [("a", "b"), ("\u2581", "a"), ("\u2581", "ab")]
+    backend = HFTokenizer(
+        models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    backend.add_special_tokens([AddedToken("</s>", special=True)])
+    return Tokenizer(backend, eos_token_ids=[1], chat_template=TEMPLATE)
+
+
+def test_logprobs_follow_text_whose_first_space_the_decoder_dropped(monkeypatch) -> None:
+    engine = FakeEngine(tokenizer=spm_tokenizer())
+    text = "ab a b ab"
+    # No prompt text before the output: the decoder drops the first piece's space.
+    engine.script = lambda ids, params: replay(engine.tokenizer, text, None, lp=True)
+    body = {"prompt": "a", "max_tokens": 10, "logprobs": 0}
+    with serve_fake(monkeypatch, engine) as client:
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [e["choices"][0] for e in sse(r)]
+    lp = whole["logprobs"]
+    assert whole["text"] == text
+    assert lp["tokens"] == [" ab", " a", " ", "b", " ab"]
+    assert lp["text_offset"] == [0, 2, 4, 5, 6]  # index the text, not the pieces' bytes
+    # Each chunk carries the logprobs of the tokens its text is made of, the first one included.
+    streamed = [(c["text"], c["logprobs"]["tokens"]) for c in chunks if c["text"]]
+    assert streamed[:2] == [("ab", [" ab"]), (" a", [" a"])]
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["text_offset"]] == [
+        0, 2, 4, 5, 6
+    ]  # fmt: skip
+
+
 def test_streamed_chat_logprobs_go_with_their_text(fake) -> None:
     client, engine = fake
     engine.script = lambda ids, params: replay(engine.tokenizer, GEN, "STOP", lp=True)
