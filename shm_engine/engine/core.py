@@ -140,7 +140,11 @@ class EngineCore:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             self.sched_time += time.perf_counter() - t0
-            self.runner.remove_requests(sched.finished_ids)
+            if sched.finished_ids:
+                # NOTE: in the model thread, after the steps in flight: one of them may still
+                # sample for an aborted request, and would otherwise re-create its sampler state
+                # (leaked, or inherited by a new request reusing the id).
+                self._executor.submit(self.runner.remove_requests, sched.finished_ids)
             if not sched.empty:
                 self.batch_queue.appendleft((self._executor.submit(self._execute, sched), sched))
                 if (

@@ -30,6 +30,7 @@ class ScheduledChunk:
     num_tokens: int
     block_ids: list[int]
     samples: bool = False  # the chunk reaches the last known token, so a new one is sampled
+    epoch: int = 0  # the request's preemption count when scheduled (stale results are dropped)
 
 
 @dataclass(slots=True)
@@ -214,6 +215,7 @@ class Scheduler:
             chunk.block_ids = self.kv.block_ids(req)
             req.num_computed_tokens += chunk.num_tokens
             chunk.samples = req.num_computed_tokens == req.num_tokens
+            chunk.epoch = req.num_preemptions
             out.chunks.append(chunk)
         self.step_count += 1
         return out
@@ -251,8 +253,14 @@ class Scheduler:
         i = 0
         for chunk in sched.chunks:
             req = chunk.request
-            if req.is_finished or req.status != RequestStatus.RUNNING:
-                # Aborted (or preempted) while the step ran: its result is dropped.
+            if (
+                req.is_finished
+                or req.status != RequestStatus.RUNNING
+                or chunk.epoch != req.num_preemptions
+            ):
+                # Aborted or preempted while the step ran: its result is dropped.  NOTE: with
+                # three or more steps in flight a preempted request can be running again (its
+                # recompute scheduled) when this older step's result arrives: the epoch tells.
                 if chunk.samples:
                     i += 1
                 continue

@@ -199,6 +199,29 @@ def test_abort_of_a_request_in_flight_drops_its_result():
     assert o.request_ids == ["b"] and o.new_token_ids == [8]
 
 
+def test_a_result_from_before_a_preemption_is_dropped_after_readmission():
+    # Three steps in flight (batch_queue_size 3): "r" samples in step A, is preempted in step B
+    # and readmitted in step C before A's result arrives. A's token must not be appended: C
+    # samples that position again.
+    s = make_scheduler(num_blocks=2, block_size=4, budget=8, long_prefill_token_threshold=4)
+    s.add_request(make_request("big", list(range(1, 10)), max_tokens=5))
+    s.add_request(make_request("r", [11, 12, 13, 14], max_tokens=5))
+    step_a = s.schedule()
+    assert [(c.request.request_id, c.samples) for c in step_a.chunks] == [
+        ("big", False), ("r", True)
+    ]  # fmt: skip
+    step_b = s.schedule()  # "big" needs a third block: "r" is preempted
+    assert step_b.preempted_ids == ["r"]
+    s.abort_requests(["big"])
+    step_c = s.schedule()  # "r" again, from the start
+    assert [(c.request.request_id, c.start, c.samples) for c in step_c.chunks] == [("r", 0, True)]
+    assert s.update_from_output(step_a, SampledTokens([500])).request_ids == []
+    assert s.update_from_output(step_b, SampledTokens([])).request_ids == []
+    o = s.update_from_output(step_c, SampledTokens([600]))
+    assert o.request_ids == ["r"] and o.new_token_ids == [600]
+    assert s.requests["r"].all_token_ids == [11, 12, 13, 14, 600]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "forced", "expect_len", "reason"),
     [
