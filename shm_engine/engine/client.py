@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import msgspec
@@ -136,8 +136,8 @@ class SyncMPClient:
         except BaseException as e:
             self._kill()
             self.listener.close()
-            if isinstance(e, EngineDeadError):
-                raise
+            if isinstance(e, EngineDeadError) or not isinstance(e, Exception):
+                raise  # Ctrl-C stays a KeyboardInterrupt: `except Exception` must not eat it
             raise EngineDeadError(f"engine failed to start: {type(e).__name__}: {e}") from e
         self.ready = ready
         self._receiver = threading.Thread(
@@ -194,9 +194,9 @@ class SyncMPClient:
         if fut is None:
             return
         if u.failure_message is not None:
-            fut.set_exception(UtilityError(u.failure_message))
+            _settle(fut, exc=UtilityError(u.failure_message))
         else:
-            fut.set_result(u.result)
+            _settle(fut, result=u.result)
 
     def _mark_dead(self, reason: str) -> None:
         self._dead = reason or "engine shut down"
@@ -204,7 +204,7 @@ class SyncMPClient:
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
-            fut.set_exception(err)
+            _settle(fut, exc=err)
         self._deliver(err)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
@@ -315,6 +315,22 @@ class AsyncMPClient(SyncMPClient):
 
     async def call_utility_coro(self, method: str, *args: Any) -> Any:
         return _typed(method, await asyncio.wrap_future(self.call_utility_async(method, *args)))
+
+
+def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete a utility call's future unless its caller gave up on it.
+
+    NOTE: a caller that timed out cancels the future (``asyncio.wait_for`` on a wrapped one
+    does); setting it then raises InvalidStateError, which in the receiver thread had passed
+    for a broken engine and declared a healthy one dead.
+    """
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _typed(method: str, result: Any) -> Any:

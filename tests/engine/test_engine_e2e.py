@@ -206,6 +206,21 @@ def test_utility_calls(client):
     assert client.call_utility("reset_prefix_cache") >= 0
 
 
+def test_a_utility_call_given_up_on_does_not_kill_the_client(client, tokenizer):
+    # A caller that times out cancels the call's future (AsyncLLM.get_stats does, for
+    # /metrics); the late reply must not pass for a broken engine.
+    os.kill(client.proc.pid, signal.SIGSTOP)  # a long step: the reply comes late
+    try:
+        fut = client.call_utility_async("get_stats")
+        assert fut.cancel()
+    finally:
+        os.kill(client.proc.pid, signal.SIGCONT)
+    assert client.call_utility("echo", 7) == 7  # after the late reply
+    client.add_request(request("after-cancel", tokenizer.encode("Hello"), max_tokens=4))
+    assert collect(client, ["after-cancel"], timeout=60)["after-cancel"][1] == "length"
+    assert not client.is_dead
+
+
 def test_an_output_larger_than_the_ring_keeps_the_stream_in_order(client, tokenizer):
     # A 10 MB echo does not fit the 4 MiB ring: the busy loop's direct send leaves it half
     # written and the output thread finishes it, while later step outputs queue behind it.
