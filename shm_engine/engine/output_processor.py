@@ -135,6 +135,11 @@ class OutputProcessor:
                 state.completion.logprobs = []
             parent.children.append(state)
             children.append((eid, child_params))
+        taken = [s.engine_id for s in parent.children if s.engine_id in self.states]
+        if taken:  # e.g. "0_x" alone next to "x" with n = 2
+            raise ValueError(
+                f"request_id {request_id!r}: engine id {taken[0]!r} is another request's"
+            )
         # NOTE: registered only once every child was built, so a failure leaves nothing behind.
         self.parents[request_id] = parent
         for state in parent.children:

@@ -92,7 +92,8 @@ class RequestHandle:
         if self._closed:
             return
         self._closed = True
-        self.engine.streams.pop(self.request_id, None)
+        if self.engine.streams.get(self.request_id) is self.stream:
+            del self.engine.streams[self.request_id]
         if not self.finished:
             self.engine._abort(self.request_id)
 
@@ -183,6 +184,8 @@ class AsyncLLM:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         self.check_prompt(prompt_token_ids, params)
+        if request_id in self.streams:  # finished, perhaps, but its handle is still open
+            raise ValueError(f"duplicate request_id {request_id!r}: its handle is still open")
         children = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         handle = RequestHandle(self, request_id)
         self.streams[request_id] = handle.stream

@@ -321,6 +321,33 @@ def test_a_corrupt_request_ring_fails_its_client_at_once():
     assert shm_entries() <= before
 
 
+def test_async_llm_refuses_an_id_whose_handle_is_still_open():
+    # The old handle's close would otherwise take the new request's stream with it (a hang).
+    import asyncio
+
+    from shm_engine.entrypoints.async_engine import AsyncLLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+
+    async def run() -> None:
+        engine = await AsyncLLM.create(config(num_kv_blocks=64))
+        try:
+            old = engine.add_request(None, [1, 2, 3], params, "a")
+            await asyncio.sleep(0.5)  # finished by now, but nobody closed its handle
+            with pytest.raises(ValueError, match="still open"):
+                engine.add_request(None, [1, 2, 3], params, "a")
+            assert [o.finished async for o in old.outputs()][-1]  # and closes it
+            new = engine.add_request(None, [1, 2, 3], params, "a")
+            outs = [o async for o in new.outputs()]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        finally:
+            await engine.shutdown()
+
+    before = shm_entries()
+    asyncio.run(asyncio.wait_for(run(), 120))
+    assert shm_entries() <= before
+
+
 def test_llm_generate_matches_in_process_engine():
     from shm_engine import LLM
 

@@ -100,6 +100,17 @@ def test_n_completions_fan_out_with_derived_seeds_and_merge_back(tokenizer):
         proc.add_request("x", None, [1], SamplingParams())
 
 
+@pytest.mark.parametrize(("first", "second"), [(("x", 2), ("0_x", 1)), (("0_x", 1), ("x", 2))])
+def test_user_ids_whose_engine_ids_collide_are_refused(tokenizer, first, second):
+    # "x" with n = 2 runs as "0_x" and "1_x": a lone "0_x" must not take one of them over.
+    proc = OutputProcessor(tokenizer)
+    proc.add_request(first[0], None, [1], SamplingParams(n=first[1]))
+    with pytest.raises(ValueError, match="another request's"):
+        proc.add_request(second[0], None, [1], SamplingParams(n=second[1]))
+    assert sorted(proc.states) == (["0_x", "1_x"] if first[1] == 2 else ["0_x"])
+    assert list(proc.parents) == [first[0]]
+
+
 def test_engine_errors_finish_the_request_and_abort_its_siblings(tokenizer):
     proc = OutputProcessor(tokenizer)
     proc.add_request("r", None, [1], SamplingParams(n=2))
