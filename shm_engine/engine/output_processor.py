@@ -58,7 +58,6 @@ class _RequestState:
     params: SamplingParams
     detok: IncrementalDetokenizer
     completion: CompletionOutput
-    max_stop_len: int
 
 
 @dataclass
@@ -129,7 +128,6 @@ class OutputProcessor:
                     self.tokenizer, prompt_token_ids, params.skip_special_tokens
                 ),
                 CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None),
-                max((len(s) for s in params.stop), default=0),
             )
             if params.logprobs is not None:
                 state.completion.logprobs = []
@@ -227,9 +225,15 @@ class OutputProcessor:
     def _check_stop_strings(self, state: _RequestState, delta_len: int) -> bool:
         """Find a stop string that the new text completed; truncate the text there."""
         comp = state.completion
-        # Only text that could contain a stop string ending in the delta is searched.
-        start = max(0, len(comp.text) - delta_len - state.max_stop_len + 1)
-        hits = [(i, stop) for stop in state.params.stop if (i := comp.text.find(stop, start)) >= 0]
+        # NOTE: each stop string is searched only where it would end inside the delta (vLLM's
+        # window); one window for all, sized by the longest, found a short one that had ended
+        # before min_tokens allowed stopping.
+        text, n = comp.text, len(comp.text) - delta_len + 1
+        hits = [
+            (i, stop)
+            for stop in state.params.stop
+            if (i := text.find(stop, max(0, n - len(stop)))) >= 0
+        ]
         if not hits:
             return False
         i, stop = min(hits)  # the earliest stop string in the text wins

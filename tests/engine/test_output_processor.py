@@ -158,6 +158,18 @@ def test_stop_strings_count_only_past_min_tokens(tokenizer):
     assert aborts == ["a"] and out.outputs[0].text == "one two one two "
 
 
+def test_a_longer_stop_string_does_not_widen_the_search_for_a_shorter_one(tokenizer):
+    # "," ended before min_tokens; once stops count, only a "," in new text may stop (vLLM).
+    ids = tokenizer.encode(" 4, 5, 6, 7", add_special_tokens=False)
+    texts = []
+    for stop in ([","], [",", "zzzzzzzzzzzz"]):
+        proc = OutputProcessor(tokenizer)
+        proc.add_request("a", None, [1], SamplingParams(stop=stop, min_tokens=len(ids) - 3))
+        out, _ = feed(proc, "a", ids)
+        texts.append(out.outputs[0].text)
+    assert texts[0] == texts[1] == " 4, 5, 6"
+
+
 def test_a_request_that_fails_to_register_leaves_nothing_behind(tokenizer, monkeypatch):
     proc = OutputProcessor(tokenizer)
     params = SamplingParams(n=2)
