@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shm_engine.sampling_params import SamplingParams
 
@@ -23,6 +23,15 @@ class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's schema makes these fields nullable and its client sends ``null`` for a
+        None argument: null means the default (as in vLLM), not a type error."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     model: str | None = None
     n: int = 1
@@ -91,6 +100,11 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of other than n is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            # It would need the prompt's logprobs, which the engine does not compute: an
+            # answer with the completion's alone would be silently wrong (log-likelihood
+            # scoring reads the prompt's).
+            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
         return self._sampling(self.max_tokens, self.logprobs)
 
 

@@ -169,17 +169,17 @@ GEN = f"ab {EMOJI} cd{EMOJI}{EMOJI}ef STOP gh"
 def test_streamed_completion_logprobs_match_the_non_streamed(fake) -> None:
     client, engine = fake
     engine.script = lambda ids, params: replay(engine.tokenizer, GEN, "STOP", lp=True)
-    body = {"prompt": "hi", "max_tokens": 40, "logprobs": 1, "stop": "STOP", "echo": True}
+    body = {"prompt": "hi", "max_tokens": 40, "logprobs": 1, "stop": "STOP"}
     whole = client.post("/v1/completions", json=body).json()["choices"][0]
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         chunks = [e["choices"][0] for e in sse(r)]
-    assert "".join(c["text"] for c in chunks) == whole["text"] == "hi" + GEN.split("STOP")[0]
+    assert "".join(c["text"] for c in chunks) == whole["text"] == GEN.split("STOP")[0]
     lps = [c["logprobs"] for c in chunks if c["logprobs"]]
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for lp in lps for x in lp[key]] == whole["logprobs"][key], key
     lp = whole["logprobs"]
-    # Offsets index the echoed text, emoji halves included: both halves start at the emoji.
-    assert lp["text_offset"][0] == 2 and whole["text"][lp["text_offset"][1]] == "b"
+    # Offsets index the text, emoji halves included: both halves start at the emoji.
+    assert lp["text_offset"][0] == 0 and whole["text"][lp["text_offset"][1]] == "b"
     halves = [i for i, t in enumerate(lp["tokens"]) if t.startswith("bytes:")]
     assert [lp["tokens"][i] for i in halves[:2]] == ["bytes:\\xf0\\x9f", "bytes:\\x98\\x80"]
     assert whole["text"][lp["text_offset"][halves[0]]] == EMOJI
@@ -240,6 +240,20 @@ def test_streamed_chat_logprobs_go_with_their_text(fake) -> None:
     assert len(content) == len(engine.tokenizer.encode(GEN.split("STOP")[0] + "STOP"))
     emoji = [e for e in content if e["token"].startswith("bytes:")]
     assert [e["bytes"] for e in emoji[:2]] == [[0xF0, 0x9F], [0x98, 0x80]]  # not U+FFFD's bytes
+
+
+def test_null_fields_mean_their_defaults(fake) -> None:
+    # The openai client sends null for an argument given as None (OpenAI's schema allows it).
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    nulls = {"n": None, "stream": None, "temperature": None, "stop": None, "seed": None}
+    r = client.post("/v1/completions", json={"prompt": "hi", "echo": None, **nulls})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": None, **nulls}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ab"
+    r = client.post("/v1/completions", json={"prompt": None})
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
 
 
 def test_chat_role_chunk_waits_for_the_first_engine_output(fake) -> None:
