@@ -229,11 +229,20 @@ class OpenAIServer:
         # tokenizer runs, so only it lets the event loop go on next to this worker thread.
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
-    async def _encode(self, text: str) -> list[int]:
-        """A completion prompt's ids; a long one is tokenized in a worker thread."""
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self._tokenize(text, True, in_thread=False)
-        return await asyncio.to_thread(self._tokenize, text, True, True)
+    def _tokenize_all(self, texts: list[str]) -> list[list[int]]:
+        """Completion prompts' ids, in a worker thread: every length is checked first, so a
+        too-long last prompt is refused before the others are paid for."""
+        for text in texts:
+            self._check_chars(text)
+        return self.tokenizer.encode_batch(texts, add_special_tokens=True)
+
+    async def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Completion prompts' ids; long ones (in total) are tokenized in a worker thread."""
+        # NOTE: the total decides: thousands of prompts each under the limit had stalled the
+        # event loop (every stream, /health) for seconds.
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            return [self._tokenize(text, True, in_thread=False) for text in texts]
+        return await asyncio.to_thread(self._tokenize_all, texts)
 
     def _render_chat(
         self, conversation: list[dict[str, str]], add_generation_prompt: bool, in_thread: bool
@@ -257,9 +266,10 @@ class OpenAIServer:
             raise bad_request("prompt must not be empty", "prompt")
         prompts = []
         base = f"cmpl-{uuid.uuid4().hex[:24]}"
+        encoded = iter(await self._encode([x for x in raw if isinstance(x, str)]))
         for i, item in enumerate(raw):
             if isinstance(item, str):
-                text, ids = item, await self._encode(item)
+                text, ids = item, next(encoded)
             else:
                 if any(t < 0 or t >= self.engine.client.ready.vocab_size for t in item):
                     raise bad_request("prompt token ids out of the vocabulary", "prompt")
@@ -274,7 +284,8 @@ class OpenAIServer:
         """The templated prompt; a long conversation is rendered and tokenized in a thread."""
         conversation = req.conversation()
         add_gen = req.add_generation_prompt
-        if sum(len(m["content"]) for m in conversation) <= INLINE_TOKENIZE_CHARS:
+        # NOTE: every message costs template work, empty or not (300k empty ones: 2 s inline).
+        if sum(len(m["content"]) + 32 for m in conversation) <= INLINE_TOKENIZE_CHARS:
             text, ids = self._render_chat(conversation, add_gen, in_thread=False)
         else:
             text, ids = await asyncio.to_thread(self._render_chat, conversation, add_gen, True)
@@ -305,7 +316,16 @@ class OpenAIServer:
             async for _ in self._run(p):
                 pass
 
-        await asyncio.gather(*(one(p) for p in prompts))
+        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # NOTE: gather leaves the others running; their handles are closed (aborted) by
+            # the caller next, after which nothing would ever wake them.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def _next_delta(
         self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams, chat: bool

@@ -256,6 +256,33 @@ def test_null_fields_mean_their_defaults(fake) -> None:
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
 
 
+def test_a_failed_prompt_cancels_the_other_prompts_consumers(monkeypatch) -> None:
+    # A list of prompts, not streamed: one fails; the others' handles are closed (aborted), so
+    # their consumers must be cancelled too, or they wait for outputs forever.
+    class Stuck(FakeHandle):
+        async def outputs(self) -> AsyncIterator[RequestOutput]:
+            if self.fails:
+                raise ValueError("engine rejected the request")
+            await asyncio.Event().wait()  # a closed handle: nothing wakes it
+            yield None  # type: ignore[misc]
+
+    def add_request(text, ids, params, rid) -> FakeHandle:
+        handle = Stuck([], 0.0)
+        handle.fails = rid.endswith("-0")
+        return handle
+
+    engine = FakeEngine()
+    engine.add_request = add_request
+
+    async def consumers() -> list[str]:
+        return [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
+
+    with serve_fake(monkeypatch, engine) as client:
+        r = client.post("/v1/completions", json={"prompt": ["first", "second", "third"]})
+        assert r.status_code == 400 and "rejected" in r.json()["error"]["message"]
+        assert not [q for q in client.portal.call(consumers) if "_collect" in q]
+
+
 def test_chat_role_chunk_waits_for_the_first_engine_output(fake) -> None:
     client, engine = fake
     engine.first_output_delay = 0.3
@@ -336,14 +363,36 @@ def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
                 ticks += 1
 
         t = asyncio.create_task(ticker())
-        short = await server._encode("a" * openai_server.INLINE_TOKENIZE_CHARS)
+        limit = openai_server.INLINE_TOKENIZE_CHARS
+        [short] = await server._encode(["a" * limit])
         assert threads == [threading.get_ident()] and len(short) > 0  # inline: no thread hop
-        ids = await server._encode("b" * (openai_server.INLINE_TOKENIZE_CHARS + 1))
-        assert threads[1] != threading.get_ident() and ids == encode("b" * 2049)
+        [ids] = await server._encode(["b" * (limit + 1)])
+        assert threads[1] != threading.get_ident() and ids == encode("b" * (limit + 1))
+        # Many prompts each under the limit: their total decides (one hop for all of them).
+        many = await server._encode(["c" * (limit // 2)] * 3)
+        assert len(threads) == 3 and threads[2] != threading.get_ident()
+        assert many == [encode("c" * (limit // 2))] * 3
         t.cancel()
         return ticks
 
-    assert asyncio.run(go()) >= 10  # the loop kept running while the long prompt was encoded
+    assert asyncio.run(go()) >= 20  # the loop kept running while the long prompts were encoded
+
+
+def test_a_too_long_prompt_is_refused_before_the_others_are_encoded() -> None:
+    engine = FakeEngine(max_model_len=64)
+    server = openai_server.OpenAIServer(engine, ServerMetrics("m"), "m")
+    encoded: list[str] = []
+    encode_batch = engine.tokenizer.encode_batch
+
+    def recording(texts, add_special_tokens=True):
+        encoded.extend(texts)
+        return encode_batch(texts, add_special_tokens)
+
+    engine.tokenizer.encode_batch = recording
+    texts = ["a" * 60] * 40 + ["b" * 100_000]
+    with pytest.raises(PromptTooLongError):
+        asyncio.run(server._encode(texts))
+    assert encoded == []
 
 
 def test_chat_template_errors_are_400(monkeypatch) -> None:
