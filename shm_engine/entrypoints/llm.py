@@ -52,6 +52,10 @@ class LLM:
             self.client = SyncMPClient(self.config)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # NOTE: the newest output of every request in flight, whoever pumped it: a stream paused
+        # while generate() (or another stream) runs finds its outputs, its last one included,
+        # here (each is cumulative, so the newest is all a consumer needs).
+        self._latest: dict[str, RequestOutput] = {}
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -75,7 +79,15 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        # Every prompt is tokenized (and checked) before any is sent.
+        inputs = [self._tokenize(p) for p in prompts]
+        ids: list[str] = []
+        try:
+            for (text, token_ids), sp in zip(inputs, params, strict=True):
+                ids.append(self._add(text, token_ids, sp))
+        except BaseException:
+            self._abort(ids)  # the prompts sent before the one that failed
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -105,79 +117,96 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() produces one completion; use generate() for n > 1")
-        rid = self._add(prompt, params)
+        rid = self._add(*self._tokenize(prompt), params)
         sent = 0
         try:
             while True:
-                for r in self._pump():
-                    if r.request_id != rid:
-                        continue
-                    if r.error:
-                        raise ValueError(r.error)
-                    text = r.outputs[0].text
-                    if len(text) > sent:
-                        yield text[sent:]
-                        sent = len(text)
-                    if r.finished:
-                        return
+                r = self._latest.pop(rid, None)
+                if r is None:
+                    self._pump()
+                    continue
+                if r.error:
+                    raise ValueError(r.error)
+                text = r.outputs[0].text
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
+                if r.finished:
+                    return
         finally:
-            if self.processor.engine_ids(rid):  # closed early: stop generating
-                self.processor.abort(rid)
-                with contextlib.suppress(EngineDeadError):
-                    self.client.abort_requests([rid])
+            self._abort([rid])  # a no-op once it finished; closed early: stop generating
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text = prompt.get("prompt")
-            token_ids = prompt.get("prompt_token_ids")
-            if token_ids is None:
-                if text is None:
-                    raise ValueError("a prompt needs 'prompt' or 'prompt_token_ids'")
-                token_ids = self.tokenizer.encode(text)
+            return prompt, self.tokenizer.encode(prompt)
+        text = prompt.get("prompt")
+        token_ids = prompt.get("prompt_token_ids")
+        if token_ids is None:
+            if text is None:
+                raise ValueError("a prompt needs 'prompt' or 'prompt_token_ids'")
+            token_ids = self.tokenizer.encode(text)
+        return text, list(token_ids)
+
+    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
         rid = str(next(self._ids))
         token_array = np.asarray(token_ids, dtype=np.int32)
-        for eid, child_params in self.processor.add_request(rid, text, list(token_ids), params):
-            self.client.add_request(
-                EngineCoreRequest(
-                    request_id=eid,
-                    prompt_token_ids=token_array,
-                    sampling_params=child_params,
-                    arrival_time=time.time(),
+        try:
+            for eid, child_params in self.processor.add_request(rid, text, token_ids, params):
+                self.client.add_request(
+                    EngineCoreRequest(
+                        request_id=eid,
+                        prompt_token_ids=token_array,
+                        sampling_params=child_params,
+                        arrival_time=time.time(),
+                    )
                 )
-            )
+        except BaseException:
+            self._abort([rid])  # children sent before the failure
+            raise
         return rid
 
-    def _pump(self) -> list[RequestOutput]:
-        """One engine step's outputs, processed; stop-string hits are aborted in the engine."""
+    def _abort(self, request_ids: list[str]) -> None:
+        """Stop requests in the engine and forget them here (unknown or finished ones: no-op)."""
+        for rid in request_ids:
+            self._latest.pop(rid, None)
+            engine_ids = self.processor.engine_ids(rid)
+            if engine_ids:
+                self.processor.abort(rid)
+                with contextlib.suppress(EngineDeadError):
+                    self.client.abort_requests(engine_ids)
+
+    def _pump(self) -> None:
+        """One engine step's outputs, processed into ``_latest``; stop-string hits are aborted
+        in the engine."""
         out = self.client.get_output(timeout=1.0)
         if out is None:
-            return []
+            return
         results, to_abort = self.processor.process(out)
         if to_abort:
             self.client.abort_requests(to_abort)
-        return results
+        for r in results:
+            self._latest[r.request_id] = r
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
 
-        wanted = set(request_ids)
+        waiting = list(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
-            while len(finished) < len(request_ids):
-                for r in self._pump():
-                    if r.finished and r.request_id in wanted:
-                        finished[r.request_id] = r
+            while True:
+                for rid in waiting:
+                    r = self._latest.get(rid)
+                    if r is not None and r.finished:
+                        finished[rid] = self._latest.pop(rid)
                         bar.update(1)
+                waiting = [rid for rid in waiting if rid not in finished]
+                if not waiting:
+                    break
+                self._pump()
         except BaseException:
             # Interrupted (Ctrl-C, dead engine): do not leave our requests running in the engine.
-            for rid in request_ids:
-                engine_ids = self.processor.engine_ids(rid)
-                self.processor.abort(rid)
-                with contextlib.suppress(EngineDeadError):
-                    self.client.abort_requests(engine_ids)
+            self._abort(request_ids)
             raise
         finally:
             bar.close()

@@ -379,6 +379,30 @@ def test_llm_generate_matches_in_process_engine():
 
 
 @pytest.mark.skipif(DTYPE != "int8", reason="the int8 cache is the int8 path's")
+def test_llm_stream_paused_while_generate_runs_still_ends():
+    # generate() pumps the engine for everyone: the paused stream's outputs, its last one
+    # included, wait for it instead of being dropped (the stream used to block forever).
+    from shm_engine import LLM
+
+    llm = LLM(dtype=DTYPE, num_kv_blocks=128, in_process=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        whole = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].text
+        stream = llm.stream("Hello", params)
+        first = next(stream)
+        llm.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+        assert first + "".join(stream) == whole
+        # A prompt that fails to register withdraws the ones sent before it.
+        bad = SamplingParams()
+        bad.temperature = -1.0  # assigned after construction: caught as it is added
+        with pytest.raises(ValueError, match="temperature"):
+            llm.generate(["a", "b"], [params, bad], use_tqdm=False)
+        assert not llm.processor.has_unfinished() and not llm._latest
+        assert llm.get_stats().num_running + llm.get_stats().num_waiting == 0
+    finally:
+        llm.shutdown()
+
+
 def test_int8_kv_cache_holds_more_tokens_and_serves():
     from shm_engine import LLM
 
