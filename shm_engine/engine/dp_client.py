@@ -2,13 +2,16 @@
 
 Each replica is a full EngineCoreProc with its own channel; the client sends each new request to
 the replica with the fewest unfinished requests (it sees every output, so the counts are exact),
-keeps aborts with the request's owner and merges all outputs into one queue. Replicas of a dense
+keeps aborts with the request's owner and merges all outputs into one queue. Each request runs
+under an id of its own in its replica (``<id>#<n>``), so a late output of an aborted request can
+never be taken for a later request that reuses the id. Replicas of a dense
 model need no step synchronisation, so there are no vLLM-style "waves". One dead replica makes
 the whole client dead: a frontend cannot silently lose a share of its requests.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
@@ -48,25 +51,29 @@ class DPClient:
             self.shutdown()
             raise next(e for e in errors if e is not None)
         self.ready = self.engines[0].ready
-        self.owner: dict[str, int] = {}
+        self.owner: dict[str, tuple[int, str]] = {}  # user id -> (replica, id in the replica)
         self.load = [0] * len(self.engines)
+        self._seq = itertools.count()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.request_id in self.owner:
+        rid = request.request_id
+        if rid in self.owner:
             # Another replica would run it twice; the owning one would fail the original.
-            raise ValueError(f"duplicate request_id {request.request_id!r}")
+            raise ValueError(f"duplicate request_id {rid!r}")
         i = min(range(len(self.engines)), key=self.load.__getitem__)
-        self.engines[i].add_request(request)
-        self.owner[request.request_id] = i
+        inner = f"{rid}#{next(self._seq)}"
+        self.engines[i].add_request(msgspec.structs.replace(request, request_id=inner))
+        self.owner[rid] = (i, inner)
         self.load[i] += 1
 
     def abort_requests(self, request_ids: list[str]) -> None:
         per_engine: dict[int, list[str]] = {}
         for rid in request_ids:
-            i = self.owner.pop(rid, None)
-            if i is not None:
+            entry = self.owner.pop(rid, None)
+            if entry is not None:
+                i, inner = entry
                 self.load[i] -= 1
-                per_engine.setdefault(i, []).append(rid)
+                per_engine.setdefault(i, []).append(inner)
         for i, ids in per_engine.items():
             self.engines[i].abort_requests(ids)
 
@@ -78,16 +85,28 @@ class DPClient:
         if isinstance(item, EngineDeadError):
             self.outputs.put(item)
             raise item
-        for row in item.finished:
-            self._release(item.request_ids[row])
+        ids = item.request_ids
+        ended = [ids[row] for row in item.finished] + [e.request_id for e in item.errors]
+        item.request_ids = [self._user_id(inner) for inner in ids]
         for err in item.errors:
-            self._release(err.request_id)
+            err.request_id = self._user_id(err.request_id)
+        for inner in ended:
+            self._release(inner)
         return item
 
-    def _release(self, rid: str) -> None:
-        i = self.owner.pop(rid, None)
-        if i is not None:
-            self.load[i] -= 1
+    def _user_id(self, inner: str) -> str:
+        """The caller's id for a replica's; a request no longer current (aborted, its id perhaps
+        reused) keeps the replica's id, which no caller knows, so its late rows are ignored."""
+        rid = inner.rpartition("#")[0]
+        entry = self.owner.get(rid)
+        return rid if entry is not None and entry[1] == inner else inner
+
+    def _release(self, inner: str) -> None:
+        rid = inner.rpartition("#")[0]
+        entry = self.owner.get(rid)
+        if entry is not None and entry[1] == inner:
+            del self.owner[rid]
+            self.load[entry[0]] -= 1
 
     def call_utility(self, method: str, *args: Any) -> list[Any]:
         """Call on every replica; returns one result per replica."""

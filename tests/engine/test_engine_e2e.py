@@ -435,6 +435,21 @@ def test_data_parallel_replicas_share_the_work():
         dp = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.get_stats()
         affinities = [psutil.Process(e.proc.pid).cpu_affinity() for e in llm.client.engines]
+        # An id reused after an abort: the first request's late output is neither taken for
+        # the second's nor releases it, so aborting the second still reaches its replica.
+        c = llm.client
+        c.add_request(request("X", [1, 2, 3], max_tokens=1))
+        time.sleep(0.5)  # finished in its replica; the output is not read yet
+        c.abort_requests(["X"])
+        c.add_request(request("X", [1, 2, 3], max_tokens=200, ignore_eos=True))
+        first = c.get_output(timeout=5)
+        assert first is not None and "X" not in first.request_ids
+        c.abort_requests(["X"])
+        late = 0
+        for _ in range(10):
+            out = c.get_output(timeout=0.2)
+            late += out.request_ids.count("X") if out else 0
+        assert late <= 2 and c.load == [0, 0]
     assert len(stats) == 2 and all(s.step_count > 0 for s in stats)
     assert affinities[0] and affinities[1] and not set(affinities[0]) & set(affinities[1])
     single = LLM(dtype=DTYPE, num_kv_blocks=128, in_process=True)
