@@ -188,6 +188,8 @@ class SyncMPClient:
             self._mark_dead(f"engine output could not be decoded: {e}")
 
     def _resolve(self, msg: EngineCoreOutputs) -> None:
+        from shm_engine.ipc import detach
+
         u = msg.utility_output
         with self._lock:
             fut = self._pending.pop(u.call_id, None)
@@ -196,7 +198,7 @@ class SyncMPClient:
         if u.failure_message is not None:
             _settle(fut, exc=UtilityError(u.failure_message))
         else:
-            _settle(fut, result=u.result)
+            _settle(fut, result=detach(u.result))  # arrays: the caller keeps them
 
     def _mark_dead(self, reason: str) -> None:
         self._dead = reason or "engine shut down"

@@ -42,7 +42,7 @@ from shm_engine.engine.protocol import (
     UtilityCall,
     UtilityOutput,
 )
-from shm_engine.ipc import ChannelClosedError, MalformedMessage, PeerDeadError
+from shm_engine.ipc import ChannelClosedError, MalformedMessage, PeerDeadError, detach
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,10 @@ class EngineCoreProc:
         elif isinstance(msg, AbortRequests):
             msg = _Abort(client, msg.request_ids)
             self.abort_queue.put(msg)
+        elif isinstance(msg, UtilityCall):
+            # NOTE: the busy loop runs it after this thread's next receive, which hands the
+            # ring space of arrays in its arguments back (a request's ids were copied above).
+            msg.args = detach(msg.args)
         self.input_queue.put((client, msg))
 
     def _emit(self, client: int, out) -> None:

@@ -4,7 +4,7 @@ Knows nothing about models or the engine.  See docs/ipc.md.
 """
 
 from .channel import DEFAULT_CAPACITY, Channel, channel_pair
-from .codec import Decoder, Encoder
+from .codec import Decoder, Encoder, detach
 from .errors import (
     ChannelClosedError,
     IPCError,
@@ -27,4 +27,5 @@ __all__ = [
     "RingCorruptError",
     "channel_pair",
     "connect",
+    "detach",
 ]

@@ -188,3 +188,22 @@ class Decoder:
 
         t = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
         return t.view(torch.bfloat16) if dc == _BF16 else t
+
+
+def detach(obj: Any) -> Any:
+    """``obj`` with every array in it (in lists, tuples, dicts, structs) copied out of the frames
+    it was decoded from: for what is kept past the next receive (the lifetime rule above), such
+    as a message another thread handles later."""
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, list | tuple):
+        return type(obj)(detach(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: detach(v) for k, v in obj.items()}
+    if isinstance(obj, msgspec.Struct):
+        fields = {f: detach(getattr(obj, f)) for f in obj.__struct_fields__}
+        return msgspec.structs.replace(obj, **fields)
+    torch = _torch_module()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return obj

@@ -204,6 +204,13 @@ def test_utility_calls(client):
         client.call_utility("profile", False)
     client.call_utility("execute_dummy_batch")
     assert client.call_utility("reset_prefix_cache") >= 0
+    # Array arguments and results outlive the receive that brought them (16 MB through a 4 MiB
+    # ring: later calls reuse the ring space of earlier ones).
+    arrays = [np.full(100_000, i, dtype=np.int32) for i in range(40)]
+    futures = [client.call_utility_async("echo", a) for a in arrays]
+    assert [int(np.asarray(f.result(timeout=60)).sum()) for f in futures] == [
+        100_000 * i for i in range(40)
+    ]
 
 
 def test_a_utility_call_given_up_on_does_not_kill_the_client(client, tokenizer):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shm_engine.ipc import Decoder, Encoder, MalformedMessage, channel_pair
+from shm_engine.ipc import Decoder, Encoder, MalformedMessage, channel_pair, detach
 
 DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.float16,
           np.float32, np.float64, np.complex64]  # fmt: skip
@@ -103,6 +103,27 @@ def test_zero_copy_false_gives_copies() -> None:
     a.send(np.zeros(20_000, dtype=np.int32))
     b.recv(timeout=5)
     np.testing.assert_array_equal(got, np.arange(20_000, dtype=np.int32))
+
+
+class _Holder(msgspec.Struct):
+    arrays: list[object]
+
+
+def test_detach_copies_every_array_out_of_the_ring() -> None:
+    a, b = channel_pair(1 << 19, recv_type_b=_Holder)
+    big = np.arange(20_000, dtype=np.int32)
+    a.send(_Holder([big, {"t": torch.arange(5000)}, (big * 2, "text")]))  # ~200 KB
+    got = detach(b.recv(timeout=5))
+    for _ in range(2):  # the second wraps around onto the first's ring space
+        zeros = np.zeros(20_000, dtype=np.int32)
+        a.send(_Holder([zeros, {"t": torch.zeros(5000, dtype=torch.int64)}, (zeros, "")]))
+        b.recv(timeout=5)
+    np.testing.assert_array_equal(got.arrays[0], big)
+    assert torch.equal(got.arrays[1]["t"], torch.arange(5000))
+    assert got.arrays[2][1] == "text"
+    np.testing.assert_array_equal(got.arrays[2][0], big * 2)
+    a.close()
+    b.close()
 
 
 @pytest.mark.parametrize(
