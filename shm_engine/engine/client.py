@@ -108,6 +108,7 @@ class SyncMPClient:
         self._call_ids = itertools.count()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = outputs or queue.Queue()
         self.listener = ChannelListener()
         # NOTE: a fresh interpreter (not multiprocessing's spawn) so the user's __main__ is never
@@ -232,7 +233,10 @@ class SyncMPClient:
     def _send(self, msg) -> None:
         self._check()
         try:
-            self.channel.send(msg, timeout=5.0)
+            # NOTE: the ring has one producer: requests, aborts and utility calls may come from
+            # several threads (an appliance's workers, a /metrics scrape).
+            with self._send_lock:
+                self.channel.send(msg, timeout=5.0)
         except Exception as e:
             self._check()
             raise EngineDeadError(f"could not reach the engine: {e}") from e

@@ -228,6 +228,25 @@ def test_a_utility_call_given_up_on_does_not_kill_the_client(client, tokenizer):
     assert not client.is_dead
 
 
+def test_calls_from_several_threads_share_the_one_producer_ring(client):
+    results: dict[int, list] = {}
+
+    def worker(t: int) -> None:
+        # 40 KB arrays: the copy into the ring runs in C without the GIL, so sends overlap.
+        futures = [
+            client.call_utility_async("echo", np.full(10_000, 1000 * t + i)) for i in range(100)
+        ]
+        results[t] = [int(np.asarray(f.result(timeout=60))[-1]) for f in futures]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert results == {t: [1000 * t + i for i in range(100)] for t in range(4)}
+    assert not client.is_dead
+
+
 def test_an_output_larger_than_the_ring_keeps_the_stream_in_order(client, tokenizer):
     # A 10 MB echo does not fit the 4 MiB ring: the busy loop's direct send leaves it half
     # written and the output thread finishes it, while later step outputs queue behind it.
