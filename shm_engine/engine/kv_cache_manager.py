@@ -17,10 +17,14 @@ from shm_engine.engine.request import Request
 
 def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
     h = hashlib.blake2b(digest_size=16)
+    # NOTE: a tag byte keeps the three kinds of prefix apart: a 16-byte salt must never hash
+    # like a parent digest (a salted first block equal to another chain's later block).
     if parent is not None:
-        h.update(parent)
+        h.update(b"\x01" + parent)
     elif salt:
-        h.update(salt.encode())
+        h.update(b"\x02" + salt.encode())
+    else:
+        h.update(b"\x00")
     h.update(array("i", token_ids).tobytes())
     return h.digest()
 

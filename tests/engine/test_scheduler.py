@@ -162,6 +162,15 @@ def test_cache_salt_isolates_prefixes():
     assert out.chunks[0].start == 0
 
 
+def test_a_salt_never_hashes_like_a_parent_block():
+    from shm_engine.engine.kv_cache_manager import hash_block
+
+    salt = "0123456789abcdef"  # 16 bytes, a digest's length
+    tokens = [1, 2, 3, 4]
+    assert hash_block(None, tokens, salt) != hash_block(salt.encode(), tokens, None)
+    assert hash_block(None, tokens, None) != hash_block(None, tokens, salt)
+
+
 def test_preemption_and_resume_give_the_same_tokens():
     # 10 blocks of 4 tokens: three requests of 8-token prompts growing by 12 tokens cannot all fit.
     s = make_scheduler(num_blocks=10, block_size=4, budget=64)
