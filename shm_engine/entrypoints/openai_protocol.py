@@ -44,6 +44,9 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    # Accepted only to be refused: ignoring them would change what the caller gets silently.
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -56,6 +59,10 @@ class _SamplingFields(BaseModel):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; raises ValueError (-> 400) for out-of-range values."""
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than text is not supported by this server")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
             n=self.n,

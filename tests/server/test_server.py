@@ -183,6 +183,15 @@ def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "prompt logprobs"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/completions", {"prompt": "hi " * 600}, "context length"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "context length"),
