@@ -29,6 +29,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Logprobs of the prompt's tokens (vLLM): each one's own and the top-n of its position.
+    # Such a request computes its whole prompt (no prefix-cache hit: a cached position has no
+    # logits).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM accepts a single string
@@ -65,6 +69,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -110,8 +116,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             raise ValueError("stop_token_ids must be a list of token ids")
 
 
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
-_OPTIONAL = ("seed", "max_tokens", "logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",

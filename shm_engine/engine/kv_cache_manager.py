@@ -63,12 +63,15 @@ class KVCacheManager:
         """Longest run of cached blocks matching the request's prefix.
 
         At least one token is always left to compute, since the model must produce logits for
-        the last prompt token.
+        the last prompt token; with prompt logprobs, every position whose logits are still owed.
         """
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(req)
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        limit = req.num_tokens - 1
+        if req.prompt_logprobs is not None:
+            limit = min(limit, req.num_prompt_scored)
+        max_blocks = limit // self.block_size
         hits: list[KVBlock] = []
         for block_hash in req.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)

@@ -114,10 +114,12 @@ class ModelRunner:
         if self.kv_caches is None:
             raise RuntimeError("the KV cache is released (engine sleeping)")
         chunks = sched.chunks
+        scores = [c.score for c in chunks] if any(c.score for c in chunks) else None
         batch = BatchInputs.build(
             [(c.request.all_token_ids, c.start, c.num_tokens, c.block_ids) for c in chunks],
             self.block_size,
             [c.samples for c in chunks],
+            scores,
         )
         sampling = [c.request for c in chunks if c.samples]
         states = []
@@ -132,11 +134,15 @@ class ModelRunner:
         # each row's argmax and the sampler is skipped, no Python between the LM head and the
         # tokens (batch 16: ~0.2 ms a step on the cold caches a step leaves)
         greedy = None
-        if states and all(s.plain_greedy for s in states):
+        if states and all(s.plain_greedy for s in states) and scores is None:
             greedy = torch.empty(len(states), dtype=torch.int64)
         logits = self.model.forward(batch, self.kv_caches, greedy)
+        prompt_lps = None
+        if scores is not None:  # the scoring rows follow the sampling ones
+            prompt_lps = _prompt_logprobs(chunks, logits[len(sampling) :])
+            logits = logits[: len(sampling)]
         if not sampling:
-            return SampledTokens([])
+            return SampledTokens([], prompt_logprobs=prompt_lps)
         if greedy is not None:
             return SampledTokens(greedy.tolist())
         result = self.sampler.sample(logits, states, [r.output_token_ids for r in sampling])
@@ -146,7 +152,7 @@ class ModelRunner:
                 None if lp is None else Logprobs(lp.token_ids, lp.logprobs, lp.sampled_rank)
                 for lp in result.logprobs
             ]
-        return SampledTokens(result.token_ids.tolist(), logprobs)
+        return SampledTokens(result.token_ids.tolist(), logprobs, prompt_lps)
 
     def execute_dummy(self) -> None:
         """A one-token forward on a scratch one-block cache, so no live or cached KV is touched."""
@@ -157,3 +163,35 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = None
+
+
+def _prompt_logprobs(chunks: list, logits: torch.Tensor) -> dict[int, list[Logprobs]]:
+    """Each scoring chunk's prompt tokens: their own logprob (of the raw distribution, as
+    vLLM's), rank, and the top-n of their position."""
+    lps = torch.log_softmax(logits.float(), dim=-1)
+    out: dict[int, list[Logprobs]] = {}
+    row = 0
+    for ci, c in enumerate(chunks):
+        if c.score is None:
+            continue
+        j0, j1 = c.score
+        n = j1 - j0
+        rows = lps[row : row + n]
+        row += n
+        targets = torch.tensor(c.request.all_token_ids[j0:j1], dtype=torch.int64)
+        own = rows.gather(1, targets[:, None])[:, 0]
+        ranks = (rows > own[:, None]).sum(1) + 1
+        k = c.request.sampling_params.prompt_logprobs
+        top_lp, top_ids = rows.topk(k, dim=1) if k else (rows[:, :0], rows[:, :0].long())
+        out[ci] = [
+            Logprobs([t, *ids], [lp, *tl], rank)
+            for t, lp, rank, ids, tl in zip(
+                targets.tolist(),
+                own.tolist(),
+                ranks.tolist(),
+                top_ids.tolist(),
+                top_lp.tolist(),
+                strict=True,
+            )
+        ]
+    return out

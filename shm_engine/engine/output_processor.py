@@ -46,6 +46,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, {token id: logprob} (its
+    # own first, then the top-n of its position); None for the first, which nothing predicts.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -84,6 +88,7 @@ class _ParentState:
             self.num_cached_tokens,
             self.error,
             self.metrics,
+            self.prompt_logprobs,
         )
 
 
@@ -188,6 +193,11 @@ class OutputProcessor:
             m.last_token_time = now
             if row in out.num_cached_tokens:
                 parent.num_cached_tokens = out.num_cached_tokens[row]
+            if row in out.prompt_logprobs and parent.prompt_logprobs is None:  # n > 1: the first
+                parent.prompt_logprobs = [None] + [
+                    dict(zip(lp.token_ids, lp.logprobs, strict=True))
+                    for lp in out.prompt_logprobs[row]
+                ]
             comp = state.completion
             comp.token_ids.extend(new_ids)
             if row in out.logprobs:

@@ -91,6 +91,8 @@ class EngineCoreOutputs(msgspec.Struct, **_STRUCT):
     stop_reasons: dict[int, int | str] = {}  # row -> the stop token id that ended it
     num_cached_tokens: dict[int, int] = {}  # row -> prefix-cache hit, on a request's first row
     logprobs: dict[int, list[Logprobs]] = {}
+    # row -> the logprobs of prompt tokens 1.. of that request, on its first row (prompt_logprobs)
+    prompt_logprobs: dict[int, list[Logprobs]] = {}
     errors: list[RequestError] = []  # requests rejected before running (validation)
     utility_output: UtilityOutput | None = None
     scheduler_stats: SchedulerStats | None = None

@@ -54,6 +54,7 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "stop_reason",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -82,6 +83,9 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
+        # Logprobs of prompt tokens 1, 2, ... as computed so far (when asked for); handed out
+        # with the first output token, then None.
+        self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else []
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +102,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_prompt_scored(self) -> int:
+        """Prompt tokens whose logprobs are known (all of them once they were handed out)."""
+        p = self.prompt_logprobs
+        return self.num_prompt_tokens - 1 if p is None else len(p)
 
     @property
     def is_finished(self) -> bool:

@@ -31,6 +31,7 @@ class ScheduledChunk:
     block_ids: list[int]
     samples: bool = False  # the chunk reaches the last known token, so a new one is sampled
     epoch: int = 0  # the request's preemption count when scheduled (stale results are dropped)
+    score: tuple[int, int] | None = None  # prompt tokens [j0, j1) whose logprobs it computes
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: dict[int, list[Logprobs]] | None = None  # chunk index -> its score range's
 
 
 class _WaitingQueue:
@@ -216,6 +218,13 @@ class Scheduler:
             req.num_computed_tokens += chunk.num_tokens
             chunk.samples = req.num_computed_tokens == req.num_tokens
             chunk.epoch = req.num_preemptions
+            if req.prompt_logprobs is not None:
+                # Position p's logits score prompt token p + 1; those already known are skipped
+                # (a recompute after preemption).
+                j0 = max(chunk.start, req.num_prompt_scored) + 1
+                j1 = min(req.num_computed_tokens + 1, req.num_prompt_tokens)
+                if j1 > j0:
+                    chunk.score = (j0, j1)
             out.chunks.append(chunk)
         self.step_count += 1
         return out
@@ -251,7 +260,7 @@ class Scheduler:
         outputs = EngineCoreOutputs(timestamp=time.time())
         ids, counts, tokens = outputs.request_ids, outputs.num_new_tokens, outputs.new_token_ids
         i = 0
-        for chunk in sched.chunks:
+        for ci, chunk in enumerate(sched.chunks):
             req = chunk.request
             if (
                 req.is_finished
@@ -265,6 +274,8 @@ class Scheduler:
                     i += 1
                 continue
             self.kv.cache_computed(req)
+            if chunk.score is not None and sampled.prompt_logprobs:
+                _add_prompt_logprobs(req, chunk.score[0], sampled.prompt_logprobs[ci])
             if not chunk.samples:
                 continue
             token = sampled.token_ids[i]
@@ -277,6 +288,9 @@ class Scheduler:
             tokens.append(token)
             if req.num_output_tokens == 1:
                 outputs.num_cached_tokens[row] = req.num_cached_tokens
+                if req.prompt_logprobs is not None:
+                    outputs.prompt_logprobs[row] = req.prompt_logprobs
+                    req.prompt_logprobs = None  # handed out: never computed again
             if lp is not None:
                 outputs.logprobs[row] = [lp]
             status = self._check_stop(req, token)
@@ -333,3 +347,13 @@ class Scheduler:
         lines += [f"  running: {r!r} blocks={self.kv.block_ids(r)}" for r in self.running]
         lines += [f"  waiting: {r!r}" for r in self.waiting]
         return "\n".join(lines)
+
+
+def _add_prompt_logprobs(req: Request, j0: int, entries: list[Logprobs]) -> None:
+    """Append the logprobs of prompt tokens j0, j0 + 1, ...; those already known are skipped."""
+    have = req.prompt_logprobs
+    if have is None:
+        return
+    skip = len(have) + 1 - j0
+    if skip >= 0:
+        have.extend(entries[skip:])

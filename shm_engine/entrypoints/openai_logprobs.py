@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shm_engine.engine.output_processor import CompletionOutput
+from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
 from shm_engine.model.tokenizer import Tokenizer
 
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -140,8 +140,8 @@ class LogprobFormatter:
     def __init__(self, tokens: TokenTable) -> None:
         self.tokens = tokens
 
-    def _text_bytes(self, c: CompletionOutput, done: int, tid: int, skip_special: bool) -> bytes:
-        """The bytes token ``tid`` adds to ``c.text`` when ``done`` bytes of it come before.
+    def _text_bytes(self, text: str, done: int, tid: int, skip_special: bool) -> bytes:
+        """The bytes token ``tid`` adds to ``text`` when ``done`` bytes of it come before.
 
         NOTE: SentencePiece decoders drop the leading space of the first piece they decode, so
         with no prompt text before it (an empty or all-special prompt) the text starts one byte
@@ -149,14 +149,15 @@ class LogprobFormatter:
         itself, so offsets follow what the detokenizer produced, not what the vocabulary says.
         """
         b = self.tokens.text_bytes(tid, skip_special)
-        if done == 0 and b[:1] == b" " and not c.text.startswith(" "):
+        if done == 0 and b[:1] == b" " and not text.startswith(" "):
             return b[1:]
         return b
 
-    def advance(self, c: CompletionOutput, cur: LogprobCursor, tid: int, skip_special: bool) -> int:
-        """The ``text_offset`` of the cursor's next token, ``tid``; moves the cursor past it."""
+    def advance(self, text: str, cur: LogprobCursor, tid: int, skip_special: bool) -> int:
+        """The ``text_offset`` in ``text`` of the cursor's next token, ``tid``; moves the cursor
+        past it."""
         offset = cur.offset
-        b = self._text_bytes(c, cur.text_bytes, tid, skip_special)
+        b = self._text_bytes(text, cur.text_bytes, tid, skip_special)
         cur.offset += len(cur.utf8.decode(b))
         cur.text_bytes += len(b)
         cur.tokens += 1
@@ -184,7 +185,26 @@ class LogprobFormatter:
             tokens.append(self.tokens.string(tid))
             token_lps.append(lps.get(tid))
             tops.append(self._top_dict(lps))
-            offsets.append(self.advance(c, cur, tid, skip_special))
+            offsets.append(self.advance(c.text, cur, tid, skip_special))
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def prompt(self, out: RequestOutput, text: str, skip_special: bool) -> dict[str, Any]:
+        """The echoed prompt's tokens in the completions shape (``echo`` with ``logprobs``): the
+        first has no logprob (nothing predicts it), offsets index ``text``."""
+        entries = out.prompt_logprobs or []
+        cur = LogprobCursor()
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for j, tid in enumerate(out.prompt_token_ids):
+            lps = entries[j] if j < len(entries) else None
+            tokens.append(self.tokens.string(tid))
+            token_lps.append(None if lps is None else lps.get(tid))
+            tops.append(None if lps is None else self._top_dict(lps))
+            offsets.append(self.advance(text, cur, tid, skip_special))
         return {
             "tokens": tokens,
             "token_logprobs": token_lps,
@@ -203,7 +223,7 @@ class LogprobFormatter:
         content = []
         start = cur.tokens
         for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
-            self.advance(c, cur, tid, skip_special)
+            self.advance(c.text, cur, tid, skip_special)
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
             entry = self._chat_entry(tid, lps.get(tid))
             entry["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in top]
@@ -222,7 +242,7 @@ class LogprobFormatter:
         ids = c.token_ids
         n, size = cur.tokens, cur.text_bytes
         while n < len(ids):
-            size += len(self._text_bytes(c, size, ids[n], skip_special))
+            size += len(self._text_bytes(c.text, size, ids[n], skip_special))
             if size > sent_bytes:
                 break
             n += 1

@@ -107,12 +107,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of other than n is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        params = self._sampling(self.max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:
-            # It would need the prompt's logprobs, which the engine does not compute: an
-            # answer with the completion's alone would be silently wrong (log-likelihood
-            # scoring reads the prompt's).
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
-        return self._sampling(self.max_tokens, self.logprobs)
+            # The echoed prompt's tokens come with their logprobs too (log-likelihood scoring
+            # reads them); the engine then computes the whole prompt.
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ContentPart(BaseModel):

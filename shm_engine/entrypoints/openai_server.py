@@ -397,13 +397,17 @@ class OpenAIServer:
         for i, p in enumerate(prompts):
             assert p.final is not None
             prefix = self._echo(p) if req.echo else ""
+            skip = params.skip_special_tokens
+            echoed = None
+            if params.prompt_logprobs is not None:
+                echoed = self.logprobs.prompt(p.final, prefix, skip)
             for c in p.final.outputs:
                 lp = None
                 if params.logprobs is not None and c.logprobs is not None:
                     cur = LogprobCursor(offset=len(prefix))
-                    lp = self.logprobs.completion(
-                        c, len(c.token_ids), cur, params.skip_special_tokens
-                    )
+                    lp = self.logprobs.completion(c, len(c.token_ids), cur, skip)
+                    if echoed is not None:
+                        lp = {k: echoed[k] + v for k, v in lp.items()}
                 choices.append(
                     {
                         "index": i * params.n + c.index,
@@ -447,7 +451,10 @@ class OpenAIServer:
                         prefix = self._echo(p)
                         for st in p.choices:
                             st.lp.offset = len(prefix)  # offsets count the echoed prompt
-                        echoed = [{"index": i * n + j, "text": prefix, "logprobs": None,
+                        lp = None
+                        if params.prompt_logprobs is not None:
+                            lp = self.logprobs.prompt(out, prefix, params.skip_special_tokens)
+                        echoed = [{"index": i * n + j, "text": prefix, "logprobs": lp,
                                    "finish_reason": None} for j in range(n)]  # fmt: skip
                         yield chunk(echoed)
                 choices = [

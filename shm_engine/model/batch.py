@@ -37,8 +37,13 @@ class BatchInputs:
         seqs: list[tuple[list[int], int, int, list[int]]],
         block_size: int,
         sample_mask: list[bool],
+        scores: list[tuple[int, int] | None] | None = None,
     ) -> BatchInputs:
         """Flatten sequences given as (all token ids, start, num new tokens, block ids).
+
+        Logits rows: each sampling sequence's last token, in order; then, for ``scores[b] =
+        (j0, j1)``, the positions j0 - 1 .. j1 - 2 of sequence b, whose logits score its tokens
+        j0 .. j1 - 1 (prompt logprobs).
 
         NOTE: plain Python lists, one numpy array each at the end: between model steps the
         interpreter runs on cold caches, where numpy's per-sequence calls cost ~0.3 ms a batch-16
@@ -68,6 +73,11 @@ class BatchInputs:
             qsl.append(qsl[-1] + n)
             if sample:
                 logits_indices.append(qsl[-1] - 1)
+        if scores:
+            for (_, start, _, _), score, row0 in zip(seqs, scores, qsl, strict=False):
+                if score is not None:
+                    first = row0 + score[0] - 1 - start
+                    logits_indices.extend(range(first, first + score[1] - score[0]))
         return BatchInputs(
             input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),
             positions=torch.from_numpy(np.array(positions, dtype=np.int64)),

@@ -1,4 +1,4 @@
-"""EngineCore in process over a tiny random-weight fp32 model: step ordering with steps in flight."""
+"""EngineCore in process over a tiny random-weight fp32 model: steps in flight, prompt logprobs."""
 
 from __future__ import annotations
 
@@ -6,36 +6,36 @@ import time
 import types
 from typing import Any
 
+import pytest
+import torch
 from model.conftest import tiny_config, tiny_weights
 
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.core import EngineCore
 from shm_engine.engine.model_runner import ModelRunner
 from shm_engine.engine.request import Request
+from shm_engine.model.reference import ReferenceModel
 from shm_engine.model.torch_model import TorchLlama
 from shm_engine.sampling_params import SamplingParams
 
+CONFIG = tiny_config(vocab_size=320, max_position_embeddings=256)
+WEIGHTS = tiny_weights(CONFIG, seed=1)
 
-def slow_core(batch_queue_size: int, step_s: float) -> EngineCore:
-    """A core whose model takes ``step_s`` a forward, so steps queue up behind each other."""
-    config = tiny_config(vocab_size=320, max_position_embeddings=256)
-    model = TorchLlama(config, tiny_weights(config, seed=1))
+
+def make_core(batch_queue_size: int = 1, step_s: float = 0.0, **overrides: Any) -> EngineCore:
+    """A core over the tiny fp32 model; its forward takes ``step_s`` more, so steps queue up."""
+    model = TorchLlama(CONFIG, WEIGHTS)
     forward = model.forward
 
     def slow(*args: Any, **kw: Any) -> Any:
         time.sleep(step_s)
         return forward(*args, **kw)
 
-    model.forward = slow  # type: ignore[method-assign]
-    cfg = EngineConfig(
-        block_size=4,
-        num_kv_blocks=64,
-        max_num_batched_tokens=64,
-        batch_queue_size=batch_queue_size,
-        dtype="float32",
-        num_threads=1,
-    )
-    loaded = types.SimpleNamespace(config=config, tokenizer=None)
+    if step_s:
+        model.forward = slow  # type: ignore[method-assign]
+    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, num_threads=1)
+    cfg = EngineConfig(**{**args, **overrides}, batch_queue_size=batch_queue_size, dtype="float32")
+    loaded = types.SimpleNamespace(config=CONFIG, tokenizer=None)
     return EngineCore(cfg, ModelRunner(cfg, loaded, model))
 
 
@@ -57,7 +57,7 @@ def drain(core: EngineCore) -> dict[str, list[int]]:
 def test_an_abort_with_its_step_still_queued_leaves_no_sampler_state() -> None:
     # The aborted request's first step runs after the abort: its sampler state, made then, must
     # not outlive it, or a new request reusing the id samples with the old parameters.
-    core = slow_core(batch_queue_size=3, step_s=0.05)
+    core = make_core(batch_queue_size=3, step_s=0.05)
     try:
         core.add_request(request("A", list(range(3, 20)), temperature=0.0))
         core.step_with_batch_queue()  # A's step runs
@@ -72,3 +72,26 @@ def test_an_abort_with_its_step_still_queued_leaves_no_sampler_state() -> None:
         assert state is None or (state.params.temperature, state.params.seed) == (1.0, 1234)
     finally:
         core.shutdown()
+
+
+@pytest.mark.parametrize("budget", [64, 5])  # the whole prompt in a step, or chunks of 5
+def test_prompt_logprobs_match_the_reference(budget: int) -> None:
+    core = make_core(max_num_batched_tokens=budget)
+    prompt = [(7 * i) % 300 + 3 for i in range(37)]
+    core.add_request(request("p", prompt, temperature=0.0, prompt_logprobs=3))
+    # A prefix-cache hit must not skip positions whose logits are owed: run it twice.
+    for _ in range(2):
+        got = []
+        while core.has_work():
+            out = core.step()
+            got += [lps for row, lps in out.prompt_logprobs.items()] if out else []
+        assert len(got) == 1 and len(got[0]) == len(prompt) - 1
+        ref = torch.log_softmax(ReferenceModel(CONFIG, WEIGHTS).forward(prompt), -1)
+        for j, lp in enumerate(got[0], start=1):
+            row = ref[j - 1]
+            assert lp.token_ids[0] == prompt[j]
+            assert lp.logprobs[0] == pytest.approx(float(row[prompt[j]]), abs=1e-4)
+            assert lp.token_ids[1:] == row.topk(3).indices.tolist()
+            assert lp.sampled_rank == int((row > row[prompt[j]]).sum()) + 1
+        core.add_request(request("p", prompt, temperature=0.0, prompt_logprobs=3))
+    core.shutdown()

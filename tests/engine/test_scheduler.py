@@ -162,6 +162,38 @@ def test_cache_salt_isolates_prefixes():
     assert out.chunks[0].start == 0
 
 
+def test_prompt_logprobs_survive_preemption_once_each():
+    # Chunks of 4 in a cache of 4 blocks: "a" (prompt logprobs, 13 tokens) is preempted by the
+    # running "b" mid-prefill and recomputed; each prompt token's logprob arrives exactly once,
+    # in order, with the first output token.
+    from shm_engine.engine.protocol import Logprobs
+
+    s = make_scheduler(num_blocks=4, block_size=4, budget=4, max_seqs=2)
+    s.add_request(make_request("b", [1, 2, 3], max_tokens=10))
+    s.add_request(make_request("a", list(range(100, 113)), max_tokens=2, prompt_logprobs=0))
+    delivered, preempted = [], 0
+    for _ in range(100):
+        if not s.has_requests():
+            break
+        out = s.schedule()
+        preempted += len(out.preempted_ids)
+        tokens, scored = [], {}
+        for ci, c in enumerate(out.chunks):
+            if c.samples:
+                tokens.append(next_token(c.request.all_token_ids[: c.start + c.num_tokens]))
+            if c.score is not None:
+                j0, j1 = c.score
+                ids = c.request.all_token_ids
+                scored[ci] = [Logprobs([ids[j]], [-float(j)]) for j in range(j0, j1)]
+        o = s.update_from_output(out, SampledTokens(tokens, prompt_logprobs=scored or None))
+        delivered += [lps for lps in o.prompt_logprobs.values()]
+    assert preempted > 0
+    assert len(delivered) == 1
+    assert [(lp.token_ids[0], lp.logprobs[0]) for lp in delivered[0]] == [
+        (100 + j, -float(j)) for j in range(1, 13)
+    ]
+
+
 def test_a_salt_never_hashes_like_a_parent_block():
     from shm_engine.engine.kv_cache_manager import hash_block
 

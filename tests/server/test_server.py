@@ -89,14 +89,14 @@ def test_chat(client: openai.OpenAI, model: str) -> None:
 
 
 def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
-    """Streamed logprobs add up to the non-streamed ones, text_offset included (a stop string
-    that holds text back while streaming)."""
+    """Streamed logprobs add up to the non-streamed ones, text_offset included (echo with the
+    prompt's logprobs, a stop string that holds text back while streaming)."""
     url = server.url + "/v1/completions"
     body = {"model": model, "prompt": "The three primary colours are", "max_tokens": 16,
             "temperature": 0}  # fmt: skip
     base = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
     stop = base[len(base) // 2 :][:3]  # inside the greedy text: it stops the request
-    body = {**body, "logprobs": 2, "stop": [stop]}
+    body = {**body, "logprobs": 2, "stop": [stop], "echo": True}
     whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]
     assert whole["finish_reason"] == "stop" and whole["stop_reason"] == stop
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
@@ -108,7 +108,12 @@ def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
     lp = whole["logprobs"]
     assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
     assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-3)
-    assert lp["text_offset"][0] == 0
+    # The echoed prompt's tokens first (the first has no logprob), then the completion's.
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    k = next(i for i, o in enumerate(lp["text_offset"]) if o >= len(body["prompt"]))
+    assert "".join(lp["tokens"][:k]) == body["prompt"]
+    assert all(x is not None and x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(len(t) >= 2 for t in lp["top_logprobs"][1:])
 
 
 def test_chat_logprob_bytes_are_the_tokens_own(client: openai.OpenAI, model: str) -> None:
@@ -182,7 +187,6 @@ def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
-        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "prompt logprobs"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
         (
             "/v1/chat/completions",
