@@ -130,6 +130,7 @@ static void rope_heads(float *x, int64_t nh, int64_t d, const float *cs) {
 
 void shmk_rope(float *q, float *k, const int64_t *pos, int64_t t, int64_t hq, int64_t hk, int64_t d,
                const float *cos_sin, int64_t max_pos) {
+    if (max_pos < 1) return; /* no table: the wrapper refuses it; never read before it */
     for (int64_t i = 0; i < t; i++) {
         int64_t p = pos[i];
         if (p < 0) p = 0;
@@ -166,6 +167,7 @@ static void rope_task(void *vctx, int64_t task, int tid) {
 /* RoPE on the fused qkv rows [t][(hq + 2hk) d] (q and k parts only). */
 void shmk_rope_qkv(float *qkv, const int64_t *pos, int64_t t, int64_t hq, int64_t hk, int64_t d,
                    const float *cos_sin, int64_t max_pos) {
+    if (max_pos < 1) return; /* as shmk_rope */
     rope_ctx c = {qkv, pos, t, hq + hk, d, (hq + 2 * hk) * d, 0, max_pos, cos_sin};
     c.rows = rows_per_task(t, c.nh * d);
     if (c.rows == 0)

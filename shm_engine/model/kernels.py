@@ -200,7 +200,12 @@ def _as_i64(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _as_i32(t: torch.Tensor, name: str, ndim: int) -> torch.Tensor:
     _check(t, name, (torch.int32, torch.int64), ndim)
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+    if t.dtype == torch.int32:
+        return t
+    # NOTE: checked before narrowing: 2**32 + 3 would otherwise pass as a valid 3.
+    if t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
+        raise ValueError(f"{name} has values beyond int32")
+    return t.to(torch.int32)
 
 
 # --------------------------------------------------------------------------- W8 x A16 linear
@@ -417,8 +422,8 @@ def rope(
     pos = _as_i64(positions, "positions")
     _shape(pos, "positions", (t,))
     _check(cos_sin, "cos_sin", torch.float32, 2)
-    if cos_sin.shape[1] != d:
-        raise ValueError(f"cos_sin must be [max_pos, {d}], got {tuple(cos_sin.shape)}")
+    if cos_sin.shape[1] != d or cos_sin.shape[0] < 1:
+        raise ValueError(f"cos_sin must be [max_pos >= 1, {d}], got {tuple(cos_sin.shape)}")
     kp = _f32(k) if k is not None else ffi.NULL
     lib.shmk_rope(_f32(q), kp, _i64(pos), t, hq, hk, d, _f32(cos_sin), cos_sin.shape[0])
 
@@ -687,8 +692,8 @@ class LayerStep:
         bt, sl, qsl = _batch_tensors(block_table, seq_lens, query_start_loc)
         _check(cos_sin, "cos_sin", torch.float32, 2)
         d = scratch.dims[3]
-        if cos_sin.shape[1] != d:
-            raise ValueError(f"cos_sin must be [max_pos, {d}], got {tuple(cos_sin.shape)}")
+        if cos_sin.shape[1] != d or cos_sin.shape[0] < 1:
+            raise ValueError(f"cos_sin must be [max_pos >= 1, {d}], got {tuple(cos_sin.shape)}")
         self.t, self.num_blocks, self.block_size = t, int(num_blocks), int(block_size)
         self.scratch = scratch
         self._keep = (pos, slots, bt, sl, qsl, cos_sin)

@@ -278,7 +278,7 @@ class Sampler:
         tok = sampled[rows]
         tok_lp = lp.gather(1, tok[:, None])
         ranks = (lp > tok_lp).sum(dim=1) + 1
-        max_n = max(params[i].logprobs or 0 for i in rows)
+        max_n = min(max(params[i].logprobs or 0 for i in rows), lp.shape[1])  # a tiny vocab
         top_v, top_i = lp.topk(max_n, dim=1) if max_n else (lp[:, :0], tok[:, None][:, :0])
         res: list[TokenLogprobs | None] = [None] * len(params)
         for j, i in enumerate(rows):

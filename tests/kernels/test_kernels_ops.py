@@ -293,6 +293,16 @@ def test_attention_validation():
     bad[0, 0] = 999
     with pytest.raises(ValueError, match="block"):
         K.paged_attention(q, kc, vc, scale=1.0, **{**meta, "block_table": bad})
+    # int64 metadata beyond int32 is refused, not narrowed into a valid-looking value
+    wide = meta["block_table"].to(torch.int64) + 2**32
+    with pytest.raises(ValueError, match="beyond int32"):
+        K.paged_attention(q, kc, vc, scale=1.0, **{**meta, "block_table": wide})
+
+
+def test_rope_refuses_an_empty_table():
+    # Positions clamp into the table: an empty one would have been read before its start.
+    with pytest.raises(ValueError, match="max_pos >= 1"):
+        K.rope(torch.ones(1, 1, 8), None, torch.tensor([0]), torch.empty(0, 8))
 
 
 # ---------------------------------------------------------------------------- fused layer

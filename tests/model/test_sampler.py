@@ -305,3 +305,9 @@ def test_logprobs_are_raw_and_ranked() -> None:
     assert lp1.logprobs[0] == pytest.approx(float(ref[1, tok]), rel=1e-6)  # raw, not penalized
     assert lp1.sampled_rank == int((ref[1] > ref[1, tok]).sum()) + 1
     assert math.isfinite(lp1.logprobs[0])
+
+
+def test_more_logprobs_than_the_vocabulary_has_returns_all_of_them() -> None:
+    s = Sampler(0)
+    out = s.sample(torch.randn(1, 10), _states(s, [SP(temperature=0.0, logprobs=20)]), [[]])
+    assert out.logprobs is not None and sorted(out.logprobs[0].token_ids[1:]) == list(range(10))
