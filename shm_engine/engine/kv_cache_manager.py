@@ -35,6 +35,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_published: dict[str, int] = {}  # leading blocks cache_computed already did
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,11 +119,16 @@ class KVCacheManager:
             return
         self.update_block_hashes(req)
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
-        for i in range(n_full):
+        # NOTE: only the blocks completed since the last call: looping over all of them every
+        # step cost a long sequence O(its length) a step (the largest Python cost of a step).
+        rid = req.request_id
+        for i in range(self.num_published.get(rid, 0), n_full):
             self.pool.cache(blocks[i], req.block_hashes[i])
+        self.num_published[rid] = max(n_full, self.num_published.get(rid, 0))
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
+        self.num_published.pop(req.request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
 
