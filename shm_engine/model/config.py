@@ -123,6 +123,15 @@ class ModelConfig:
         sliding = cfg.get("sliding_window")
         if arch == "qwen2" and not cfg.get("use_sliding_window", False):
             sliding = None
+        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict) and "rope_theta" in params:
+            # NOTE: transformers v5 moved both into rope_parameters; reading only the old keys
+            # ran such a model with theta 1e4 and no scaling, silently.
+            theta = params["rope_theta"]
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        elif params:
+            raise NotImplementedError("per-layer-type rope_parameters are not supported")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -133,8 +142,8 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None,
+            rope_theta=float(theta),
+            rope_scaling=dict(scaling) if scaling else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
@@ -212,10 +221,12 @@ class ModelConfig:
             if vocab_size is None:
                 vocab_size = len(meta.get("tokenizer.ggml.tokens", ()))
         rope_scaling = None
-        scale_type = key("rope.scaling.type")
-        if scale_type == "linear" and key("rope.scaling.factor"):
-            rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-        elif scale_type not in (None, "none", "linear"):
+        # llama.cpp's reading: no type means linear, and the factor may sit under the old key.
+        scale_type = key("rope.scaling.type", "linear")
+        factor = key("rope.scaling.factor") or key("rope.scale_linear")
+        if scale_type == "linear" and factor and float(factor) != 1.0:
+            rope_scaling = {"rope_type": "linear", "factor": float(factor)}
+        elif scale_type not in ("none", "linear"):
             raise NotImplementedError(f"GGUF rope scaling {scale_type!r} is not supported")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eot = meta.get("tokenizer.ggml.eot_token_id")

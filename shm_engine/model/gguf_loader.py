@@ -262,7 +262,13 @@ class GGUFWeights(WeightSource):
 
 def load_gguf(path: str | Path) -> LoadedModel:
     path = Path(path)
-    reader = read_gguf(path)
+    try:
+        reader = read_gguf(path)
+    except ValueError as e:  # numpy's reshape/frombuffer errors name neither file nor cause
+        raise ValueError(f"{path}: corrupt or truncated GGUF file: {e}") from e
+    if getattr(reader, "byte_order", "I") != "I":
+        # The dequantizers read little-endian bytes: a big-endian file would load as garbage.
+        raise NotImplementedError(f"{path}: big-endian GGUF files are not supported")
     meta = gguf_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     embed = by_name.get("token_embd.weight")

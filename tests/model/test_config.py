@@ -138,3 +138,34 @@ def test_from_gguf_metadata() -> None:
     assert c.vocab_size == 1000 and c.attention_bias and not c.tie_word_embeddings
     assert c.eos_token_ids == (6, 7) and c.bos_token_id == 5
     assert c.rope_theta == 1e6 and c.max_position_embeddings == 4096
+
+
+def test_transformers_v5_rope_parameters_are_read() -> None:
+    # transformers v5 moved rope_theta and rope_scaling into rope_parameters.
+    old = dict(LLAMA_UNTIED_CONFIG)
+    v5 = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_theta": old["rope_theta"], **old["rope_scaling"]}
+    a, b = ModelConfig.from_hf_config(old), ModelConfig.from_hf_config(v5)
+    assert (b.rope_theta, b.rope_scaling) == (a.rope_theta, a.rope_scaling)
+    yarn = dict(v5, rope_parameters={"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(NotImplementedError, match="yarn"):
+        ModelConfig.from_hf_config(yarn).inv_freq()
+
+
+def test_gguf_rope_scaling_reads_as_llama_cpp_does() -> None:
+    # No type means linear; the factor may sit under the old key rope.scale_linear.
+    from model.conftest import tiny_tokenizer_metadata
+
+    base = {
+        "general.architecture": "llama",
+        "llama.attention.head_count": 4,
+        "llama.embedding_length": 64,
+        "llama.feed_forward_length": 96,
+        "llama.block_count": 2,
+        "llama.context_length": 128,
+        **tiny_tokenizer_metadata(),
+    }
+    for extra in ({"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 4.0}):
+        c = ModelConfig.from_gguf_metadata({**base, **extra})
+        assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert ModelConfig.from_gguf_metadata(base).rope_scaling is None
