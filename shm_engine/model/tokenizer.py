@@ -224,12 +224,23 @@ class Tokenizer:
         add_bos = bool(
             meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _ADD_BOS_PRE)
         )
-        if add_bos and bos is not None:
-            bos_tok = tokens[int(bos)]
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        head = [(tokens[int(bos)], int(bos))] if add_bos and bos is not None else []
+        tail = [(tokens[int(eos_id)], int(eos_id))] if add_eos else []
+        if head or tail:  # llama.cpp: BOS before, EOS after the text, each where the file says
+
+            def side(seq: str) -> list[str]:
+                return (
+                    [f"{t}:{seq}" for t, _ in head]
+                    + [f"$A:{seq}" if seq == "0" else "$B:1"]
+                    + [f"{t}:{seq}" for t, _ in tail]
+                )
+
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos_tok}:0 $A:0",
-                pair=f"{bos_tok}:0 $A:0 {bos_tok}:1 $B:1",
-                special_tokens=[(bos_tok, int(bos))],
+                single=side("0"),
+                pair=side("0") + side("1"),
+                special_tokens=list(dict(head + tail).items()),
             )
         eos: list[int] = []
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
@@ -502,12 +513,26 @@ def _tojson(
 _ENV: ImmutableSandboxedEnvironment | None = None
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks assistant turns for
+    training masks): rendering keeps the body as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _chat_env() -> ImmutableSandboxedEnvironment:
     """Sandboxed env with the options and helpers transformers gives chat templates."""
     global _ENV
     if _ENV is None:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationTag],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception

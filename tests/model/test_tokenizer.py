@@ -335,3 +335,26 @@ def test_add_bos_default_without_key(pre: str, add_bos: bool) -> None:
     # the key, when present, wins either way
     meta["tokenizer.ggml.add_bos_token"] = not add_bos
     assert Tokenizer.from_gguf_metadata(meta).encode("hi") == ([] if add_bos else [1]) + body
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_add_eos_token_appends_eos_as_llama_cpp_does(add_bos: bool) -> None:
+    meta = tiny_tokenizer_metadata()
+    meta["tokenizer.ggml.add_bos_token"] = add_bos
+    meta["tokenizer.ggml.add_eos_token"] = True
+    tok = Tokenizer.from_gguf_metadata(meta)
+    body = tok.encode("hi", add_special_tokens=False)
+    bos, eos = meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]
+    assert tok.encode("hi") == ([bos] if add_bos else []) + body + [eos]
+
+
+def test_chat_template_generation_tag_renders_its_body() -> None:
+    # transformers' {% generation %} marks assistant turns (training masks): the text stays.
+    meta = tiny_tokenizer_metadata()
+    meta["tokenizer.chat_template"] = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}|{% endif %}{% endfor %}"
+    )
+    tok = Tokenizer.from_gguf_metadata(meta)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "hi|yo"
