@@ -94,19 +94,21 @@ class DPClient:
             self._release(inner)
         return item
 
+    def _current(self, inner: str) -> str | None:
+        """The caller's id of a replica's, if that request is still the one under it."""
+        rid = inner.rpartition("#")[0]
+        entry = self.owner.get(rid)
+        return rid if entry is not None and entry[1] == inner else None
+
     def _user_id(self, inner: str) -> str:
         """The caller's id for a replica's; a request no longer current (aborted, its id perhaps
         reused) keeps the replica's id, which no caller knows, so its late rows are ignored."""
-        rid = inner.rpartition("#")[0]
-        entry = self.owner.get(rid)
-        return rid if entry is not None and entry[1] == inner else inner
+        return self._current(inner) or inner
 
     def _release(self, inner: str) -> None:
-        rid = inner.rpartition("#")[0]
-        entry = self.owner.get(rid)
-        if entry is not None and entry[1] == inner:
-            del self.owner[rid]
-            self.load[entry[0]] -= 1
+        rid = self._current(inner)
+        if rid is not None:
+            self.load[self.owner.pop(rid)[0]] -= 1
 
     def call_utility(self, method: str, *args: Any) -> list[Any]:
         """Call on every replica; returns one result per replica."""

@@ -124,7 +124,7 @@ class KVCacheManager:
         rid = req.request_id
         for i in range(self.num_published.get(rid, 0), n_full):
             self.pool.cache(blocks[i], req.block_hashes[i])
-        self.num_published[rid] = max(n_full, self.num_published.get(rid, 0))
+        self.num_published[rid] = n_full  # grows while the blocks are held (free() resets it)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)

@@ -118,22 +118,24 @@ def test_inv_freq_linear_and_freq_factors() -> None:
     torch.testing.assert_close(ff.inv_freq(), c.inv_freq() / torch.tensor(factors))
 
 
+QWEN2_GGUF = {
+    "general.architecture": "qwen2",
+    "qwen2.block_count": 2,
+    "qwen2.context_length": 4096,
+    "qwen2.embedding_length": 128,
+    "qwen2.feed_forward_length": 256,
+    "qwen2.attention.head_count": 4,
+    "qwen2.attention.head_count_kv": 2,
+    "qwen2.rope.freq_base": 1e6,
+    "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
+    "tokenizer.ggml.bos_token_id": 5,
+    "tokenizer.ggml.eos_token_id": 6,
+    "tokenizer.ggml.eot_token_id": 7,
+}
+
+
 def test_from_gguf_metadata() -> None:
-    meta = {
-        "general.architecture": "qwen2",
-        "qwen2.block_count": 2,
-        "qwen2.context_length": 4096,
-        "qwen2.embedding_length": 128,
-        "qwen2.feed_forward_length": 256,
-        "qwen2.attention.head_count": 4,
-        "qwen2.attention.head_count_kv": 2,
-        "qwen2.rope.freq_base": 1e6,
-        "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
-        "tokenizer.ggml.bos_token_id": 5,
-        "tokenizer.ggml.eos_token_id": 6,
-        "tokenizer.ggml.eot_token_id": 7,
-    }
-    c = ModelConfig.from_gguf_metadata(meta, vocab_size=1000, attention_bias=True)
+    c = ModelConfig.from_gguf_metadata(QWEN2_GGUF, vocab_size=1000, attention_bias=True)
     assert c.architecture == "qwen2" and c.head_dim == 32 and c.num_kv_heads == 2
     assert c.vocab_size == 1000 and c.attention_bias and not c.tie_word_embeddings
     assert c.eos_token_ids == (6, 7) and c.bos_token_id == 5
@@ -154,18 +156,7 @@ def test_transformers_v5_rope_parameters_are_read() -> None:
 
 def test_gguf_rope_scaling_reads_as_llama_cpp_does() -> None:
     # No type means linear; the factor may sit under the old key rope.scale_linear.
-    from model.conftest import tiny_tokenizer_metadata
-
-    base = {
-        "general.architecture": "llama",
-        "llama.attention.head_count": 4,
-        "llama.embedding_length": 64,
-        "llama.feed_forward_length": 96,
-        "llama.block_count": 2,
-        "llama.context_length": 128,
-        **tiny_tokenizer_metadata(),
-    }
-    for extra in ({"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 4.0}):
-        c = ModelConfig.from_gguf_metadata({**base, **extra})
+    for extra in ({"qwen2.rope.scaling.factor": 4.0}, {"qwen2.rope.scale_linear": 4.0}):
+        c = ModelConfig.from_gguf_metadata({**QWEN2_GGUF, **extra}, vocab_size=1000)
         assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
-    assert ModelConfig.from_gguf_metadata(base).rope_scaling is None
+    assert ModelConfig.from_gguf_metadata(QWEN2_GGUF, vocab_size=1000).rope_scaling is None
