@@ -48,6 +48,10 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
             )
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
+        for name in (*sizes, "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -120,9 +124,8 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         _check_hf_features(cfg, arch)
-        sliding = cfg.get("sliding_window")
-        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
-            sliding = None
+        num_layers = int(cfg["num_hidden_layers"])
+        sliding = _hf_sliding_window(cfg, arch, num_layers)
         theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")
         if isinstance(params, dict) and "rope_theta" in params:
@@ -137,7 +140,7 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -149,7 +152,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=sliding,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -182,6 +185,7 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
             if self.architecture == "qwen2":
                 out["use_sliding_window"] = True
+                out["max_window_layers"] = 0  # every layer slides
         if self.rope_freq_factors is not None:
             raise ValueError(
                 "rope_freq_factors (from a GGUF rope_freqs tensor) have no config.json form"
@@ -210,11 +214,20 @@ class ModelConfig:
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)
 
-        heads = int(key("attention.head_count"))
-        kv_heads = key("attention.head_count_kv", heads)
-        if isinstance(kv_heads, list):  # per-layer list in some files; Llama family is uniform
-            kv_heads = kv_heads[0]
-        hidden = int(key("embedding_length"))
+        def need(name: str) -> int:
+            value = key(name)
+            if isinstance(value, list):  # per-layer lists in some files; this family is uniform
+                if len(set(value)) > 1:
+                    raise NotImplementedError(f"GGUF {arch}.{name} varies by layer: {value}")
+                value = value[0] if value else None
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks {arch}.{name}")
+            return int(value)
+
+        heads = need("attention.head_count")
+        has_kv = key("attention.head_count_kv") is not None
+        kv_heads = need("attention.head_count_kv") if has_kv else heads
+        hidden = need("embedding_length")
         head_dim = int(key("attention.key_length", hidden // heads))
         if vocab_size is None:
             vocab_size = key("vocab_size")
@@ -237,10 +250,10 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(vocab_size),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
+            intermediate_size=need("feed_forward_length"),
+            num_layers=need("block_count"),
             num_heads=heads,
-            num_kv_heads=int(kv_heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -293,3 +306,30 @@ def _check_hf_features(cfg: Mapping[str, Any], arch: str) -> None:
     if arch != "qwen2" and cfg.get("attention_bias"):
         # Llama/Mistral put the bias on o_proj too; only Qwen2's q/k/v-only bias is computed.
         raise NotImplementedError("attention_bias=true on a Llama/Mistral model is not supported")
+
+
+def _hf_sliding_window(cfg: Mapping[str, Any], arch: str, num_layers: int) -> int | None:
+    """The attention window transformers applies, or None for full attention everywhere.
+
+    Why each rule: Llama's attention has no window (a stray key is ignored there); Mistral's
+    window covers every layer; Qwen2 slides only with use_sliding_window, and then only from layer
+    max_window_layers on (or as `layer_types` says). One window for all layers is what the
+    kernels compute, so a mix of full and sliding layers is refused rather than run wrong.
+    """
+    window = cfg.get("sliding_window")
+    if arch == "llama" or not window:
+        return None
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        return None
+    kinds = cfg.get("layer_types")
+    if kinds is None and arch == "qwen2":
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+    kinds = set(kinds or ["sliding_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return int(window)
+    raise NotImplementedError(
+        f"layers mixing full and sliding-window attention ({sorted(kinds)}) are not supported"
+    )

@@ -124,6 +124,24 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 # families whose BPE first looks a whole pre-token up in the vocabulary (llama.cpp ignore_merges)
 _IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
 # names for which llama.cpp adds BOS when the GGUF has no tokenizer.ggml.add_bos_token
+# Tokens llama.cpp treats as end of generation whatever the file's EOS says (its EOG set): a
+# GGUF model that emits one is done, and running on would generate past the end of the turn.
+_END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<end_of_turn>",
+        "<end_of_utterance>",
+        "<EOT>",
+        "_<EOT>",
+        "<|return|>",
+        "<|call|>",
+    }
+)
 _ADD_BOS_PRE = frozenset((*_LLAMA3_BOS_NAMES, "tekken"))
 
 
@@ -243,9 +261,11 @@ class Tokenizer:
                 special_tokens=list(dict(head + tail).items()),
             )
         eos: list[int] = []
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-            if meta.get(key) is not None:
-                eos.append(int(meta[key]))
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            if meta.get(f"tokenizer.ggml.{key}") is not None:
+                eos.append(int(meta[f"tokenizer.ggml.{key}"]))
+        # NOTE: EOS stays first (it is the template's eos_token); the rest only end generation.
+        eos += [i for i, text in enumerate(tokens) if text in _END_OF_GENERATION_TEXTS]
         return cls(
             backend,
             bos_token_id=None if bos is None else int(bos),

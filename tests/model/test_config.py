@@ -80,6 +80,24 @@ def test_mistral_sliding_window_and_explicit_head_dim() -> None:
     assert c.architecture == "mistral" and c.sliding_window == 4096 and c.head_dim == 128
 
 
+def test_sliding_window_applies_to_the_layers_transformers_slides() -> None:
+    # Qwen2 slides only from layer max_window_layers on; Llama's attention has no window.
+    qwen = dict(QWEN2_CONFIG, use_sliding_window=True, sliding_window=4096)
+    assert ModelConfig.from_hf_config(dict(qwen, max_window_layers=24)).sliding_window is None
+    every = ModelConfig.from_hf_config(dict(qwen, max_window_layers=0))
+    assert every.sliding_window == 4096
+    assert ModelConfig.from_hf_config(every.to_hf_config()) == every
+    with pytest.raises(NotImplementedError, match="mixing full and sliding"):
+        ModelConfig.from_hf_config(dict(qwen, max_window_layers=12))
+    mixed = ["full_attention", "sliding_attention"] * 8
+    mistral = dict(LLAMA_UNTIED_CONFIG, model_type="mistral", sliding_window=64, layer_types=mixed)
+    mistral.pop("rope_scaling")
+    with pytest.raises(NotImplementedError, match="mixing full and sliding"):
+        ModelConfig.from_hf_config(mistral)
+    llama = ModelConfig.from_hf_config(dict(LLAMA_UNTIED_CONFIG, sliding_window=64))
+    assert llama.sliding_window is None
+
+
 def test_rejects_unknown_architecture() -> None:
     with pytest.raises(ValueError, match="unsupported"):
         ModelConfig.from_hf_config(dict(QWEN2_CONFIG, model_type="gpt_neox"))
@@ -160,3 +178,25 @@ def test_gguf_rope_scaling_reads_as_llama_cpp_does() -> None:
         c = ModelConfig.from_gguf_metadata({**QWEN2_GGUF, **extra}, vocab_size=1000)
         assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert ModelConfig.from_gguf_metadata(QWEN2_GGUF, vocab_size=1000).rope_scaling is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("qwen2.feed_forward_length", None, "lacks qwen2.feed_forward_length"),
+        ("qwen2.attention.head_count", None, "lacks qwen2.attention.head_count"),
+        ("qwen2.block_count", None, "lacks qwen2.block_count"),
+        ("qwen2.attention.head_count_kv", 0, "num_kv_heads must be at least 1"),
+        ("qwen2.attention.head_count_kv", [2, 4], "varies by layer"),
+    ],
+)
+def test_gguf_metadata_gaps_get_a_clear_error(key: str, value: object, message: str) -> None:
+    meta = dict(QWEN2_GGUF)
+    if value is None:
+        del meta[key]
+    else:
+        meta[key] = value
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        ModelConfig.from_gguf_metadata(meta, vocab_size=1000)
+    uniform = dict(QWEN2_GGUF, **{"qwen2.attention.head_count_kv": [2, 2]})
+    assert ModelConfig.from_gguf_metadata(uniform, vocab_size=1000).num_kv_heads == 2

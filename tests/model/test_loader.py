@@ -87,7 +87,7 @@ def test_tiny_gguf_and_hf_paths_agree(tmp_path: Path, overrides: dict) -> None:
     assert hf_model.tokenizer.encode("the an<|im_end|>") == gguf_model.tokenizer.encode(
         "the an<|im_end|>"
     )
-    assert hf_model.tokenizer.eos_token_ids == gguf_model.tokenizer.eos_token_ids == (2,)
+    assert hf_model.tokenizer.eos_token_ids == gguf_model.tokenizer.eos_token_ids == (2, 0)
 
     ids = torch.tensor([1, 50, 60, 70, 80, 90, 100])
     la = ReferenceModel(gguf_model.config, gguf_model.weights).forward(ids)

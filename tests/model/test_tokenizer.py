@@ -53,7 +53,8 @@ def test_special_token_ids_match_vocab(tok: Tokenizer) -> None:
         1,
         2,
     ]
-    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,)
+    # <|im_end|> is EOS; <|endoftext|> also ends generation, as llama.cpp reads the file
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2, 0) and tok.eos_token == "<|im_end|>"
     assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [
         1,
         tok.token_to_id("user"),
@@ -358,3 +359,16 @@ def test_chat_template_generation_tag_renders_its_body() -> None:
     tok = Tokenizer.from_gguf_metadata(meta)
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "hi|yo"
+
+
+def test_end_of_generation_tokens_stop_as_in_llama_cpp() -> None:
+    # EOS first (the template's eos_token), then the file's EOM and the tokens llama.cpp
+    # treats as end of generation by their text, whatever the EOS key says.
+    meta = tiny_tokenizer_metadata()
+    base = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] += ["<|eot_id|>", "<|eom_id|>"]
+    meta["tokenizer.ggml.token_type"] += [3, 3]
+    meta["tokenizer.ggml.eom_token_id"] = base + 1
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.eos_token_ids == (2, base + 1, 0, base)
+    assert tok.eos_token == "<|im_end|>"
