@@ -122,8 +122,9 @@ def _recv_msg(
 
 def _check_peer_uid(sock: socket.socket) -> int:
     """SO_PEERCRED: only a process of our own user may attach (abstract sockets have no mode)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
+    # struct ucred: pid_t pid; uid_t uid; gid_t gid (ids unsigned: a uid past 2**31 is valid)
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    pid, uid, _gid = struct.unpack("iII", creds)
     if uid != os.getuid():
         raise PermissionError(f"peer pid {pid} runs as uid {uid}, not {os.getuid()}")
     return pid

@@ -2,7 +2,9 @@
 
 The creator opens the segment with O_EXCL and mode 0600 under an unguessable name and unlinks the
 name at once; the peer gets the file descriptor over the handshake's Unix socket (SCM_RIGHTS),
-never the name. So no exit of either process, SIGKILL included, can leave anything in /dev/shm.
+never the name. The name carries the creator's pid, so the next create() unlinks a name whose
+creator was SIGKILLed inside that window of microseconds: no exit of either process leaves
+anything in /dev/shm past the next start.
 """
 
 from __future__ import annotations
@@ -41,16 +43,51 @@ def create(size: int) -> int:
 
     The name is unlinked before this returns; the descriptor is the only handle left.
     """
-    name = NAME_PREFIX + secrets.token_hex(16)
-    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=size)
+    _unlink_orphans()
+    name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+    # NOTE: the unlink's try encloses shm_open: a Python signal handler (Ctrl-C, the engine's
+    # SIGTERM -> SystemExit) runs as soon as shm_open returns, and raising there stranded the
+    # name. (Blocking signals would not do: another thread may take one for the main thread.)
     try:
-        os.fchmod(shm.fd, 0o600)  # independent of the umask
-        if _created_hook is not None:
-            _created_hook(name)
-    except BaseException:
-        shm.close_fd()
-        raise
+        shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=size)
+        try:
+            os.fchmod(shm.fd, 0o600)  # independent of the umask
+            if _created_hook is not None:
+                _created_hook(name)
+        except BaseException:
+            shm.close_fd()
+            raise
     finally:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(name)
     return shm.fd
+
+
+def _unlink_orphans(shm_dir: str = "/dev/shm") -> None:
+    """Unlink names whose creator died between shm_open and unlink (SIGKILL, a window of µs).
+
+    Only this user's names of pids that no longer exist; unlinking a live creator's name would
+    be harmless anyway (its descriptor stays valid, its own unlink finds nothing).
+    """
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return
+    prefix = NAME_PREFIX.lstrip("/")
+    for entry in entries:
+        pid = entry[len(prefix) :].split("-", 1)[0] if entry.startswith(prefix) else ""
+        if not pid.isdigit() or _pid_exists(int(pid)):
+            continue
+        with contextlib.suppress(OSError, posix_ipc.ExistentialError):
+            if os.stat(os.path.join(shm_dir, entry)).st_uid == os.getuid():
+                posix_ipc.unlink_shared_memory("/" + entry)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
 import signal
+import socket
 import stat
 import threading
 import time
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import posix_ipc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +26,7 @@ from shm_engine.ipc import (
     PeerDeadError,
     channel_pair,
     connect,
+    handshake,
     segment,
 )
 
@@ -205,6 +209,49 @@ def test_sigkill_idle_peer_while_blocked_in_recv(created_names: list[str]) -> No
             ch.recv(timeout=10)
         assert time.monotonic() - t0 < 1.3
         p.join(10)
+
+
+def test_a_signal_as_a_segment_is_created_leaves_no_name(
+    created_names: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A handler raising as shm_open returns (Ctrl-C, SIGTERM -> SystemExit) stranded the name.
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    def signalled_open(name: str, *args: Any, **kwargs: Any) -> posix_ipc.SharedMemory:
+        real_open(name, *args, **kwargs).close_fd()
+        created_names.append(name)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before shm_open's caller does
+        time.sleep(1)
+        raise AssertionError("the signal handler did not run")
+
+    real_open = posix_ipc.SharedMemory
+    monkeypatch.setattr(segment.posix_ipc, "SharedMemory", signalled_open)
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            segment.create(4096)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert len(created_names) == 1  # the fixture checks it is not in /dev/shm
+
+
+def test_a_name_left_by_a_sigkilled_creator_is_unlinked_by_the_next() -> None:
+    dead = CTX.Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join(10)
+    orphan = f"{segment.NAME_PREFIX}{dead.pid}-{'0' * 32}"
+    alive = f"{segment.NAME_PREFIX}{os.getpid()}-{'1' * 32}"
+    for name in (orphan, alive):
+        posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=64).close_fd()
+    try:
+        os.close(segment.create(4096))
+        assert not os.path.exists("/dev/shm" + orphan)
+        assert os.path.exists("/dev/shm" + alive)  # its creator may still be unlinking it
+    finally:
+        for name in (orphan, alive):
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(name)
 
 
 def test_segments_mode_0600_and_unlinked(created_names: list[str]) -> None:
@@ -659,3 +706,18 @@ def test_only_a_decode_error_consumes_the_message_being_decoded() -> None:
         b.recv(timeout=1)
     assert b.recv(timeout=1) == "first"
     assert b.recv(timeout=1) == "second"
+
+
+def _peer_uid_check_as(uid: int) -> None:
+    os.setuid(uid)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    assert handshake._check_peer_uid(a) == os.getpid()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to take another uid")
+def test_a_user_with_a_uid_past_2_to_the_31_may_attach() -> None:
+    # SO_PEERCRED's uid is unsigned: read as signed it never matched, so no handshake passed.
+    p = mp.get_context("fork").Process(target=_peer_uid_check_as, args=(3_000_000_000,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
