@@ -23,6 +23,10 @@ from starlette.responses import Response
 Handler = Callable[[Any, Request], Awaitable[Response]]
 
 MAX_BODY_BYTES = 32 << 20  # a 1M-token prompt as JSON text fits with room to spare
+SCREEN_BODY_BYTES = 1 << 20  # bodies past this are screened before validation
+
+# A cheap check of a large body before it is validated: (path, body) -> why it is refused, or None.
+Screen = Callable[[str, bytes], str | None]
 
 
 class HotRoutes:
@@ -31,11 +35,17 @@ class HotRoutes:
         app: FastAPI,
         routes: dict[str, tuple[type[BaseModel], Handler]],
         error: Callable[[int, str], Response],
+        screen: Screen | None = None,
     ) -> None:
-        """``error(status, message)`` builds the error response (OpenAI-style JSON)."""
+        """``error(status, message)`` builds the error response (OpenAI-style JSON).
+
+        ``screen`` sees bodies past SCREEN_BODY_BYTES first: validating a large one can hold
+        the event loop for seconds, and a cheap count may already show it cannot be served.
+        """
         self.app = app
         self.routes = routes
         self.error = error
+        self.screen = screen
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -45,8 +55,17 @@ class HotRoutes:
         model, handler = route
         scope["app"] = self.app  # what Starlette sets: handlers reach app.state through it
         body = await _read_body(receive)
+        refused = None
+        if not _is_json(scope):
+            # NOTE: as FastAPI's own check (CVE-2021-32677): a browser posts text/plain across
+            # origins without a preflight, so any web page could start generations here.
+            refused = "Content-Type must be application/json"
+        elif body is not None and len(body) > SCREEN_BODY_BYTES and self.screen is not None:
+            refused = self.screen(scope["path"], body)
         if body is None:
             response = self.error(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        elif refused is not None:
+            response = self.error(400, refused)
         else:
             try:
                 req = model.model_validate_json(body)
@@ -57,6 +76,17 @@ class HotRoutes:
                 # disconnect, which is what the streaming and waiting paths listen for.
                 response = await handler(req, Request(scope, receive))
         await response(scope, receive, send)
+
+
+def _is_json(scope: dict) -> bool:
+    """No Content-Type, application/json or application/*+json (FastAPI's rule)."""
+    value = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+    kind = value.split(b";", 1)[0].strip().lower()
+    return (
+        not kind
+        or kind == b"application/json"
+        or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+    )
 
 
 async def _read_body(receive: Callable) -> bytes | None:

@@ -40,7 +40,11 @@ from shm_engine.entrypoints.async_engine import AsyncLLM, PromptTooLongError, Re
 from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from shm_engine.entrypoints.openai_logprobs import LogprobCursor, LogprobFormatter, TokenTable
-from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from shm_engine.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    count_chat_messages,
+)
 from shm_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -151,11 +155,13 @@ def _sse_error(e: BaseException) -> bytes:
     return b"data: " + _json.encode(_error_body(err.status, err.message, err.type)) + b"\n\n"
 
 
-def _usage(prompts: list[_Prompt]) -> dict[str, Any]:
+def _usage(prompts: list[_Prompt], generated: bool = True) -> dict[str, Any]:
+    """The usage object; generated=False for echo_only, whose one sampled token is dropped."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion = sum(
         len(c.token_ids) for p in prompts if p.final is not None for c in p.final.outputs
     )
+    completion *= generated
     cached = sum(p.final.num_cached_tokens for p in prompts if p.final is not None)
     return {
         "prompt_tokens": prompt_tokens,
@@ -192,6 +198,22 @@ class OpenAIServer:
         self.max_prompt_chars = engine.max_model_len * self.tokens.max_token_chars
 
     # ------------------------------------------------------------------ helpers
+
+    def screen_body(self, path: str, body: bytes) -> str | None:
+        """Why a large body is refused before validation, or None (see HotRoutes).
+
+        A chat with more messages than the context has tokens cannot fit (every message takes
+        at least one), and validating 300k of them held the event loop for 2 s.
+        """
+        if path != "/v1/chat/completions":
+            return None
+        n, limit = count_chat_messages(body), self.engine.max_model_len
+        if n is None or n <= limit:
+            return None
+        return (
+            f"This model's maximum context length is {limit} tokens, but the conversation has "
+            f"{n} messages, more than {limit} tokens can hold."
+        )
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -402,8 +424,10 @@ class OpenAIServer:
             if params.prompt_logprobs is not None:
                 echoed = self.logprobs.prompt(p.final, prefix, skip)
             for c in p.final.outputs:
-                lp = None
-                if params.logprobs is not None and c.logprobs is not None:
+                text, lp, finish, reason = prefix + c.text, echoed, _finish_reason(c), c.stop_reason
+                if req.echo_only:
+                    text, finish, reason = prefix, "length", None
+                elif params.logprobs is not None and c.logprobs is not None:
                     cur = LogprobCursor(offset=len(prefix))
                     lp = self.logprobs.completion(c, len(c.token_ids), cur, skip)
                     if echoed is not None:
@@ -411,10 +435,10 @@ class OpenAIServer:
                 choices.append(
                     {
                         "index": i * params.n + c.index,
-                        "text": prefix + c.text,
+                        "text": text,
                         "logprobs": lp,
-                        "finish_reason": _finish_reason(c),
-                        "stop_reason": c.stop_reason,
+                        "finish_reason": finish,
+                        "stop_reason": reason,
                     }
                 )
         return JSONResponse(
@@ -424,9 +448,22 @@ class OpenAIServer:
                 "created": int(time.time()),
                 "model": self.model_name,
                 "choices": choices,
-                "usage": _usage(prompts),
+                "usage": _usage(prompts, generated=not req.echo_only),
             }
         )
+
+    @staticmethod
+    def _echo_only_ends(base: int, out: RequestOutput, states: list[_Choice]) -> list[dict]:
+        """The closing chunk of each echo_only choice that just finished (its sampled token is
+        not sent; the echoed prompt was the whole answer)."""
+        ends = []
+        for c in out.outputs:
+            st = states[c.index]
+            if c.finish_reason is not None and not st.done:
+                st.done = True
+                ends.append({"index": base + c.index, "text": "", "logprobs": None,
+                             "finish_reason": "length"})  # fmt: skip
+        return ends
 
     def _echo(self, p: _Prompt) -> str:
         return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
@@ -457,15 +494,18 @@ class OpenAIServer:
                         echoed = [{"index": i * n + j, "text": prefix, "logprobs": lp,
                                    "finish_reason": None} for j in range(n)]  # fmt: skip
                         yield chunk(echoed)
-                choices = [
-                    d
-                    for c in out.outputs
-                    if (d := self._completion_delta(i * n, c, p.choices[c.index], hold, params))
-                ]
+                if req.echo_only:
+                    choices = self._echo_only_ends(i * n, out, p.choices)
+                else:
+                    choices = [
+                        d
+                        for c in out.outputs
+                        if (d := self._completion_delta(i * n, c, p.choices[c.index], hold, params))
+                    ]
                 if choices:
                     yield chunk(choices)
             if req.include_usage:
-                yield chunk([], _usage(prompts))
+                yield chunk([], _usage(prompts, generated=not req.echo_only))
         except ClientDisconnected:
             logger.info("%s: the client disconnected; request aborted", rid)
             return
@@ -790,6 +830,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Hot
             "/v1/chat/completions": (ChatCompletionRequest, chat),
         },
         lambda status, message: error_response(status, message, "invalid_request_error"),
+        screen=lambda path, body: app.state.server.screen_body(path, body),
     )
 
 

@@ -335,6 +335,29 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(fake, monkeypatch) -> N
         assert time.monotonic() - t0 < 5.0
 
 
+def test_a_conversation_with_more_messages_than_tokens_is_refused_unvalidated(
+    fake, monkeypatch
+) -> None:
+    # Validating 300k messages held the event loop for 2 s; they are counted first instead.
+    client, engine = fake
+    validated = []
+    real = openai_server.ChatCompletionRequest.model_validate_json
+
+    def spy(body, *args, **kwargs):
+        validated.append(len(body))
+        return real(body, *args, **kwargs)
+
+    monkeypatch.setattr(openai_server.ChatCompletionRequest, "model_validate_json", spy)
+    messages = [{"role": "user", "content": "hi"}] * 100_000  # 3.5 MB, max_model_len 64
+    r = client.post("/v1/chat/completions", json={"messages": messages})
+    assert r.status_code == 400 and "100000 messages" in r.json()["error"]["message"]
+    assert validated == []
+    # A large body of another shape is left to validation, which names what is wrong.
+    r = client.post("/v1/chat/completions", json={"messages": ["hi"] * 300_000})
+    assert r.status_code == 400 and "messages.0" in r.json()["error"]["message"]
+    assert len(validated) == 1
+
+
 def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
     engine = FakeEngine(max_model_len=1 << 20)
     server = openai_server.OpenAIServer(engine, ServerMetrics("m"), "m")
@@ -425,6 +448,21 @@ def test_unknown_routes_and_methods_are_openai_errors(fake, method, path, status
     assert path in err["message"] and err["type"] == "invalid_request_error"
     if status == 405:
         assert r.headers["allow"]
+
+
+def test_only_json_bodies_start_generations(fake) -> None:
+    # A browser posts text/plain or a form across origins without a preflight (CVE-2021-32677).
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+            r = client.post(path, content=body, headers={"content-type": kind})
+            assert r.status_code == 400 and "application/json" in r.json()["error"]["message"]
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json", None):
+        headers = {"content-type": kind} if kind else {}
+        r = client.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200, (kind, r.text)
 
 
 def test_serving_lifespan_freezes_the_startup_heap(monkeypatch) -> None:

@@ -116,6 +116,32 @@ def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
     assert all(len(t) >= 2 for t in lp["top_logprobs"][1:])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_only(server, model: str) -> None:
+    """lm-eval's log-likelihood request: the prompt and its logprobs back, nothing generated."""
+    url = server.url + "/v1/completions"
+    prompt = "The three primary colours are red, yellow and blue"
+    body = {"model": model, "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = httpx.post(url, json={**body, "max_tokens": 1}, timeout=60).json()["choices"][0]
+    r = httpx.post(url, json={**body, "max_tokens": 0}, timeout=60).json()
+    only = r["choices"][0]
+    assert only["text"] == prompt and only["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] > 0
+    k = len(only["logprobs"]["tokens"])
+    assert only["logprobs"]["tokens"] == scored["logprobs"]["tokens"][:k]
+    assert "".join(only["logprobs"]["tokens"]) == prompt
+    got, want = only["logprobs"]["token_logprobs"], scored["logprobs"]["token_logprobs"][:k]
+    assert got[0] is None and got[1:] == pytest.approx(want[1:], abs=1e-3)
+    with httpx.stream("POST", url, json={**body, "max_tokens": 0, "stream": True}) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    chunks = [e["choices"][0] for e in events]
+    assert "".join(c["text"] for c in chunks) == prompt
+    assert [c["finish_reason"] for c in chunks][-1] == "length"
+    streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert streamed == only["logprobs"]["tokens"]
+    r = httpx.post(url, json={**body, "max_tokens": 0, "min_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+
+
 def test_chat_logprob_bytes_are_the_tokens_own(client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "user", "content": "Reply with only emojis: \U0001f600\U0001f389"}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
