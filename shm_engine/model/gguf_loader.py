@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, R
 from gguf.quants import dequantize as gguf_dequantize
 
 from .config import ModelConfig
-from .loader import LoadedModel, WeightSource, check_weight_names, file_fingerprint
+from .loader import LoadedModel, WeightSource, check_weights, file_fingerprint
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     reader.fields.clear()  # ~250k small arrays (the vocabulary); everything needed is parsed
     weights = GGUFWeights(reader, config)
-    check_weight_names(config, list(weights), str(path))
+    check_weights(config, weights, str(path))
     return LoadedModel(
         config=config,
         weights=weights,

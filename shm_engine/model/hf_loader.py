@@ -19,7 +19,7 @@ from .loader import (
     LoadedModel,
     WeightSource,
     check_unused_tensors,
-    check_weight_names,
+    check_weights,
     expected_weight_names,
     file_fingerprint,
 )
@@ -78,7 +78,7 @@ def load_hf_dir(path: str | Path) -> LoadedModel:
     elif "lm_head.weight" not in files and "model.embed_tokens.weight" in files:
         raise ValueError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
     weights = SafetensorsWeights(files, config)
-    check_weight_names(config, list(files), str(path))
+    check_weights(config, weights, str(path))
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
     if tokenizer.bos_token_id is None and config.bos_token_id is not None:
         tokenizer.bos_token_id = config.bos_token_id

@@ -155,9 +155,46 @@ def file_fingerprint(paths: Sequence[Path]) -> str:
     return h.hexdigest()[:32]
 
 
-def check_weight_names(config: ModelConfig, available: Sequence[str], source: str) -> None:
-    have = set(available)
-    missing = [n for n in expected_weight_names(config) if n not in have]
+def check_weights(config: ModelConfig, weights: WeightSource, source: str) -> None:
+    """Every tensor the forward reads is there, in the shape the config gives.
+
+    Why: a config.json that disagrees with its tensors (a vocab_size past the embedding's rows)
+    would otherwise load, and the native embedding lookup would read past the table.
+    """
+    expected = expected_weight_shapes(config)
+    missing = [n for n in expected if n not in weights]
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"{source}: missing tensors {missing[:5]}{more}")
+    for name, shape in expected.items():
+        if weights.shape(name) != shape:
+            raise ValueError(
+                f"{source}: {name} has shape {list(weights.shape(name))}, the config says "
+                f"{list(shape)}"
+            )
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape ([out, in] for projections), in expected_weight_names' order."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    by_suffix = {
+        "embed_tokens.weight": (config.vocab_size, h),
+        "lm_head.weight": (config.vocab_size, h),
+        "norm.weight": (h,),  # all three norms
+        "q_proj.weight": (q, h),
+        "k_proj.weight": (kv, h),
+        "v_proj.weight": (kv, h),
+        "q_proj.bias": (q,),
+        "k_proj.bias": (kv,),
+        "v_proj.bias": (kv,),
+        "o_proj.weight": (h, q),
+        "gate_proj.weight": (inter, h),
+        "up_proj.weight": (inter, h),
+        "down_proj.weight": (h, inter),
+    }
+    shapes = {}
+    for name in expected_weight_names(config):
+        suffix = name.rsplit(".", 2)
+        key = f"{suffix[-2]}.{suffix[-1]}"
+        shapes[name] = by_suffix["norm.weight" if key.endswith("norm.weight") else key]
+    return shapes

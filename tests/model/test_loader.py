@@ -139,6 +139,26 @@ def test_missing_tensor_is_reported(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "tensor"),
+    [
+        ("vocab_size", 300, "embed_tokens"),  # the native lookup would read past the table
+        ("intermediate_size", 64, "gate_proj"),
+        ("num_key_value_heads", 4, "k_proj"),
+    ],
+)
+def test_a_config_that_disagrees_with_its_tensors_is_refused(
+    tmp_path: Path, key: str, value: int, tensor: str
+) -> None:
+    config = tiny_config()
+    save_hf_model(tmp_path, config, tiny_weights(config))
+    (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json())
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, key: value}))
+    with pytest.raises(ValueError, match=rf"{tensor}\.weight has shape .* the config says"):
+        load_model(tmp_path)
+
+
 def test_a_tensor_the_model_would_not_read_is_refused(tmp_path: Path) -> None:
     # e.g. an o_proj bias: loading it "fine" would compute a different function.
     config = tiny_config()
