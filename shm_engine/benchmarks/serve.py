@@ -11,10 +11,17 @@ with ``choices``, ITL the gaps between later such chunks, latency send -> the la
 counted instead, and the report says for how many requests. Arrivals are Poisson at
 ``--request-rate`` (default: all at once), at most ``--concurrency`` in flight. Prompts are random
 token strings of ``--input-len`` tokens (the embedded model's tokenizer, or ``--tokenizer``), or
-lines of ``--dataset-path`` (text, or JSONL with a "prompt" field); every run of a sweep sends
-prompts of its own, so no run finds another's in the server's prefix cache.
+the prompts of ``--dataset-path`` (.jsonl/.json: JSON objects with "prompt" or "text", or ShareGPT
+"conversations"; any other name: one prompt a line). Every prompt starts with a tag holding a
+random nonce drawn per invocation and the run's index in the sweep, so no run, of this invocation
+or of an earlier one against the same server, finds another's prompts in the prefix cache;
+what follows the tag (and so the lengths) is reproducible from ``--seed``.
 ``ignore_eos`` is sent so every request generates exactly ``--output-len`` tokens on servers
 that honour it (vLLM, ours); pass ``--no-ignore-eos`` for strict OpenAI servers.
+
+The report is printed after every run; ``--json`` is rewritten after every run, so a sweep that
+fails part-way keeps the runs it finished. The exit code is 1 when any request failed, 2 for a
+usage error (bad argument, unreadable prompts file, unreachable server).
 
 The generator shares the machine with the server it measures, so its own CPU per token is kept
 low: aiohttp (C HTTP parser) on uvloop, SSE split by hand on bytes, msgspec JSON: 0.05 ms of CPU
@@ -26,20 +33,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
+import importlib.util
 import json
 import math
+import os
 import random
+import secrets
 import sys
+import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from shm_engine.benchmarks.prompts import (
+    DatasetError,
+    file_prompts,
+    load_prompt_file,
+    random_prompts,
+)
+
 PERCENTILES = (50, 90, 99)
+PROG = "shm-engine bench serve"
+
+
+class BenchError(Exception):
+    """A problem the user can fix (argument, server address): one line, exit 2."""
 
 
 @dataclass
@@ -58,72 +81,26 @@ class RequestResult:
 # --------------------------------------------------------------------------- prompts
 
 
-@functools.cache
-def _tokenizer(path: str | None) -> Any:
-    from shm_engine.model.loader import load_model
+def run_tag(args: argparse.Namespace, run: int) -> str:
+    """``nonce.run``: the tag that starts every prompt of run ``run`` of this invocation.
 
-    return load_model(path).tokenizer
+    Why the nonce (drawn per invocation by parse_args): the runs of a sweep, and invocations one
+    after another, share one server, and reused prompts hit its prefix cache: a second run
+    measured TTFT 44 ms where the first measured 417 ms. Without one (``args`` made by hand), the
+    seed stands in: distinct runs, but the same prompts every time.
+    """
+    return f"{getattr(args, 'nonce', None) or args.seed}.{run}"
 
 
-def random_prompts(
-    n: int, input_len: int, tokenizer_path: str | None, seed: int | tuple[int, ...]
+def run_prompts(
+    args: argparse.Namespace, run: int, items: list[str] | None = None
 ) -> list[tuple[str, int]]:
-    """``n`` distinct prompts of about ``input_len`` tokens (random tokens, re-encoded to fit)."""
-    tok = _tokenizer(tokenizer_path)
-    rng = np.random.default_rng(seed)
-    special = set(tok.all_special_ids)
-    lo, hi = 300, max(301, tok.vocab_size - 300)  # skip bytes/specials at the ends
-    prompts = []
-    for _ in range(n):
-        ids = [int(t) for t in rng.integers(lo, hi, input_len) if int(t) not in special]
-        text = tok.decode(ids)
-        # Decoding and re-encoding changes the count; trim or pad until it is exact-ish.
-        for _ in range(4):
-            enc = tok.encode(text, add_special_tokens=False)
-            if len(enc) > input_len:
-                text = tok.decode(enc[:input_len])
-            elif len(enc) < input_len:
-                extra = [int(t) for t in rng.integers(lo, hi, input_len - len(enc))]
-                text = text + tok.decode(extra)
-            else:
-                break
-        prompts.append((text, len(tok.encode(text, add_special_tokens=False))))
-    return prompts
-
-
-def file_prompts(path: str, n: int, nonce: str | None = None) -> list[tuple[str, int]]:
-    """Prompts from a text file (one a line) or JSONL ({"prompt": ...}), cycled to ``n``.
-
-    With ``nonce``, each prompt starts with ``(nonce.cycle) ``: a run's prompts, and the repeats
-    of a short file within one run, then share no prefix the server may have cached, while the
-    prompts of one pass over the file still share the prefixes the dataset gives them.
-    """
-    items: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                obj = json.loads(line)
-                line = obj.get("prompt") or obj.get("text") or ""
-            items.append(line)
-    if not items:
-        raise SystemExit(f"no prompts in {path}")
-    if nonce is None:
-        return [(items[i % len(items)], 0) for i in range(n)]
-    return [(f"({nonce}.{i // len(items)}) {items[i % len(items)]}", 0) for i in range(n)]
-
-
-def run_prompts(args: argparse.Namespace, run: int) -> list[tuple[str, int]]:
-    """The prompts of run ``run`` of a sweep: distinct from every other run's.
-
-    Why: the runs of a sweep share one server, and reused prompts hit its prefix cache: a
-    second run measured TTFT 44 ms where the first measured 417 ms.
-    """
+    """The prompts of run ``run`` of a sweep: distinct from every other run's (``items``: the
+    dataset file, read already)."""
+    tag = run_tag(args, run)
     if args.dataset_path:
-        return file_prompts(args.dataset_path, args.num_prompts, nonce=f"{args.seed}.{run}")
-    return random_prompts(args.num_prompts, args.input_len, args.tokenizer, (args.seed, run))
+        return file_prompts(args.dataset_path, args.num_prompts, nonce=tag, items=items)
+    return random_prompts(args.num_prompts, args.input_len, args.tokenizer, (args.seed, run), tag)
 
 
 # --------------------------------------------------------------------------- one request
@@ -170,7 +147,7 @@ async def send_request(
                         continue
                     obj = _json_decode(payload_)
                     if "error" in obj:
-                        res.error = str(obj["error"].get("message", obj["error"]))
+                        res.error = _server_error(obj["error"])
                         return res
                     if usage := obj.get("usage"):
                         _read_usage(res, usage)
@@ -191,6 +168,11 @@ async def send_request(
         res.error = f"{type(e).__name__}: {e}"
         return res
     return _finish(res, done, chunks, text_chunks, last - t0)
+
+
+def _server_error(err: Any) -> str:
+    """The message of an SSE error event: OpenAI sends {"message": ...}, some servers a string."""
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
 def _read_usage(res: RequestResult, usage: dict[str, Any]) -> None:
@@ -289,10 +271,11 @@ async def run_load(
 
         tasks = []
         start = time.perf_counter()
-        for text, n in prompts:
-            tasks.append(asyncio.create_task(one(text, n)))
-            if math.isfinite(request_rate) and request_rate > 0:
+        for i, (text, n) in enumerate(prompts):
+            # Gaps between arrivals only: one after the last would idle inside the duration.
+            if i and math.isfinite(request_rate):
                 await asyncio.sleep(rng.expovariate(request_rate))
+            tasks.append(asyncio.create_task(one(text, n)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()
@@ -378,6 +361,23 @@ def print_report(rep: dict[str, Any]) -> None:
     print(line)
 
 
+def _is_unbounded(value: Any) -> bool:
+    return value is None or value == "inf" or (isinstance(value, float) and math.isinf(value))
+
+
+def plot_positions(values: list[Any]) -> tuple[list[float], list[str]]:
+    """x positions and tick labels of a sweep's points; an unbounded point (rate inf, unlimited
+    concurrency) goes one step right of the largest finite value, labelled "inf".
+
+    Why: as NaN it was dropped, and the inf point of a rate sweep is the saturated throughput.
+    """
+    finite = [float(v) for v in values if not _is_unbounded(v)]
+    step = (max(finite) - min(finite)) / (len(finite) - 1) if len(finite) > 1 else 1.0
+    right = (max(finite) if finite else 0.0) + (step or 1.0)
+    xs = [right if _is_unbounded(v) else float(v) for v in values]
+    return xs, ["inf" if _is_unbounded(v) else f"{float(v):g}" for v in values]
+
+
 def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
     """Latency percentiles and output throughput against the swept load parameter."""
     import matplotlib
@@ -385,9 +385,7 @@ def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [r[x_key] if r[x_key] not in (None, "inf") else float("nan") for r in runs]
-    if all(isinstance(x, float) and math.isnan(x) for x in xs):
-        xs = list(range(1, len(runs) + 1))
+    xs, labels = plot_positions([r[x_key] for r in runs])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, label, style in (
         ("ttft_ms", "TTFT", "o-"),
@@ -399,6 +397,7 @@ def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
             xs, [r[key]["p99"] for r in runs], style, color=line.get_color(), alpha=0.4,
             label=f"{label} p99",
         )  # fmt: skip
+    ax.set_xticks(xs, labels)
     ax.set_xlabel(x_key.replace("_", " "))
     ax.set_ylabel("latency (ms)")
     ax.set_yscale("log")
@@ -418,19 +417,54 @@ def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="shm-engine bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    """Requests per second: > 0, or inf for all at once (0 was sent unpaced but reported as 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be > 0 (inf: all at once), got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)"
+    )
     p.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random prompts)")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
-    p.add_argument("--dataset-path", default=None, help="prompts file (text lines or JSONL)")
-    p.add_argument("--tokenizer", default=None, help="model path whose tokenizer sizes prompts")
-    p.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
+    p.add_argument("--num-prompts", type=_positive_int, default=64)
     p.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second"
+        "--input-len", type=_positive_int, default=128, help="prompt tokens (random prompts)"
+    )
+    p.add_argument(
+        "--output-len", type=_positive_int, default=128, help="max_tokens of every request"
+    )
+    p.add_argument(
+        "--dataset-path",
+        default=None,
+        help="prompts file: .jsonl/.json of {'prompt'|'text': ...} objects (or ShareGPT "
+        "'conversations'); any other name: one prompt a line",
+    )
+    p.add_argument("--tokenizer", default=None, help="model path whose tokenizer sizes prompts")
+    p.add_argument("--concurrency", type=_positive_int, default=None, help="max requests in flight")
+    p.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=float("inf"),
+        help="Poisson arrivals per second (inf: all at once)",
     )
     p.add_argument("--sweep", default=None, help="comma-separated values of --sweep-param")
     p.add_argument("--sweep-param", default="concurrency", choices=["concurrency", "request_rate"])
@@ -439,45 +473,143 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--json", default=None, help="write the report here (after every run)")
     p.add_argument("--plot", default=None, help="write a PNG of latency against load")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    return p
 
 
-async def _model_id(base_url: str) -> str:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, checked before anything runs; ``nonce`` is this invocation's prompt tag."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        args.base_url = _base_url(args.base_url, args.endpoint)
+        args.sweep_values = _sweep_values(args.sweep, args.sweep_param) if args.sweep else [None]
+        if args.dataset_path and not os.path.isfile(args.dataset_path):
+            raise BenchError(f"--dataset-path {args.dataset_path}: no such file")
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise BenchError("--plot needs matplotlib (pip install matplotlib)")
+        for option, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                _check_writable(option, path)
+    except BenchError as e:
+        p.error(str(e))
+    args.nonce = secrets.token_hex(3)
+    return args
+
+
+def _base_url(url: str, endpoint: str) -> str:
+    """``url`` without a trailing slash, or a trailing /v1 where the endpoint starts with one
+    (the OpenAI client's base URLs end in /v1)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise BenchError(f"--base-url {url}: expected http://HOST:PORT")
+    url = url.rstrip("/")
+    if url.endswith("/v1") and endpoint.startswith("/v1/"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def _sweep_values(text: str, param: str) -> list[Any]:
+    """The values of ``--sweep``, each valid for ``param`` (a concurrency of 0.5 was int() to 0:
+    unlimited, reported as 0)."""
+    parse = _positive_int if param == "concurrency" else _rate
+    values = []
+    for v in text.split(","):
+        if not v.strip():
+            continue
+        try:
+            values.append(parse(v.strip()))
+        except argparse.ArgumentTypeError as e:
+            raise BenchError(f"--sweep {text}: {param.replace('_', ' ')} {e}") from None
+    if not values:
+        raise BenchError(f"--sweep {text!r}: no values")
+    return values
+
+
+def _check_writable(option: str, path: str) -> None:
+    """Fail before the benchmark, not after it: a mistyped directory used to lose the run."""
+    if os.path.isdir(path):
+        raise BenchError(f"{option} {path} is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise BenchError(f"{option} {path}: cannot write in {directory}: {e.strerror}") from None
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """Replace ``path`` whole (temporary file + rename): a failure mid-write, or a reader, never
+    meets half a report."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def json_doc(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last finished run's figures at the top level; with --sweep, every finished run under
+    "runs" and the planned values under "sweep_values" (fewer runs: the sweep stopped early)."""
+    doc = dict(runs[-1])
+    if args.sweep:
+        doc["sweep_param"] = args.sweep_param
+        doc["sweep_values"] = [v if math.isfinite(v) else "inf" for v in args.sweep_values]
+        doc["runs"] = runs
+    return doc
+
+
+async def server_model(base_url: str, model: str | None) -> str:
+    """The model id to send (``model``, or the first of /v1/models), once the server answers.
+
+    Why ask even with ``model``: an unreachable server would otherwise show up as every request
+    failing (or a warm-up traceback) instead of one line naming the URL.
+    """
     import aiohttp
 
-    timeout = aiohttp.ClientTimeout(total=30.0)
-    async with (
-        aiohttp.ClientSession(timeout=timeout) as c,
-        c.get(base_url.rstrip("/") + "/v1/models") as r,
-    ):
-        r.raise_for_status()
-        return (await r.json())["data"][0]["id"]
+    url = base_url + "/v1/models"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30.0)) as c,
+            c.get(url) as r,
+        ):
+            if model:
+                return model
+            if r.status != 200:
+                raise BenchError(f"GET {url} answered HTTP {r.status}: pass --model")
+            return (await r.json(content_type=None))["data"][0]["id"]
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise BenchError(f"cannot reach the server at {base_url}: {e}") from None
+    except (ValueError, LookupError, TypeError):
+        raise BenchError(f"GET {url}: no model id in the answer: pass --model") from None
 
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
-    model = args.model or await _model_id(args.base_url)
-    values: list[float | None] = [None]
-    if args.sweep:
-        values = [float(v) for v in args.sweep.split(",") if v.strip()]
-    prompts = [run_prompts(args, run) for run in range(len(values))]
+    items = load_prompt_file(args.dataset_path) if args.dataset_path else None
+    model = await server_model(args.base_url, args.model)
+    prompts = [run_prompts(args, run, items) for run in range(len(args.sweep_values))]
     # NOTE: as in the server: a full collection over the startup heap would stall every
     # stream's timestamps at once (a fake latency spike); only the run's own objects are walked.
     # Hence the prompts of every run are made first, the tokenizer with them.
     gc.collect()
     gc.freeze()
     runs = []
-    for run, v in enumerate(values):
+    for run, v in enumerate(args.sweep_values):
         conc, rate = args.concurrency, args.request_rate
         if v is not None and args.sweep_param == "concurrency":
-            conc = int(v)
+            conc = v
         elif v is not None:
             rate = v
         rep = await run_load(args, prompts[run], model, conc, rate)
         print_report(rep)
         runs.append(rep)
+        if args.json:  # after every run: a later failure must not lose the finished ones
+            write_json(args.json, json_doc(args, runs))
     return runs
 
 
@@ -489,19 +621,22 @@ def run_async(coro: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0: every request succeeded; 1: some failed (the report and JSON are written first);
+    2: a usage error, reported in one line."""
     args = parse_args(argv)
-    runs = run_async(amain(args))
-    if args.json:
-        # The last (highest-load) run's figures at the top level; every run under "runs".
-        doc = dict(runs[-1])
-        if len(runs) > 1:
-            doc["sweep_param"] = args.sweep_param
-            doc["runs"] = runs
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
+    try:
+        runs = run_async(amain(args))
+    except (BenchError, DatasetError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     if args.plot:
         plot(runs, args.sweep_param if args.sweep else "concurrency", args.plot)
-    return 0 if all(r["completed"] for r in runs) else 1
+    failed = sum(r["failed"] for r in runs)
+    if failed:
+        total = sum(r["num_prompts"] for r in runs)
+        print(f"{PROG}: {failed} of {total} requests failed (errors above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

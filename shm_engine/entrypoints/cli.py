@@ -55,8 +55,13 @@ def _params(args):
 def cmd_generate(args) -> int:
     prompts = list(args.prompts)
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:  # one line, not a traceback
+            reason = e.strerror if isinstance(e, OSError) else e
+            print(f"shm-engine generate: error: --file {args.file}: {reason}", file=sys.stderr)
+            return 2
     if not prompts:
         print("give prompts as arguments or with --file", file=sys.stderr)
         return 2

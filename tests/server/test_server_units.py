@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from shm_engine.benchmarks import prompts
 from shm_engine.benchmarks import serve as bench
 from shm_engine.entrypoints.async_engine import _Stream
 from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -128,8 +129,8 @@ def test_report_statistics(tmp_path) -> None:
 
 def test_file_prompts_cycle(tmp_path) -> None:
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "a"}\nplain line\n\n')
-    assert [p for p, _ in bench.file_prompts(str(f), 5)] == [
+    f.write_text('{"prompt": "a"}\n{"text": "plain line"}\n\n')
+    assert [p for p, _ in prompts.file_prompts(str(f), 5)] == [
         "a",
         "plain line",
         "a",
