@@ -143,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     GAP_S = args.gap_ms / 1e3
 
     from shm_engine.benchmarks import serve as bench
+    from shm_engine.benchmarks.prompts import random_prompts
     from shm_engine.engine.client import InprocClient, SyncMPClient
     from shm_engine.engine.config import EngineConfig
     from shm_engine.model.loader import load_model
 
     tok = load_model(None).tokenizer
     tokens = tok.encode(PROMPT)
-    prompts = bench.random_prompts(args.streams, args.input_len, None, seed=1)
+    prompts = random_prompts(args.streams, args.input_len, None, seed=1)
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p, _ in prompts]
     res: dict = {}
 
