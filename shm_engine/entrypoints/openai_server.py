@@ -810,7 +810,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Hot
     async def models(raw: Request) -> dict[str, Any]:
         return server(raw).models()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers probe with it
     async def health(raw: Request) -> Response:
         s = server(raw)
         if s.engine.is_dead:

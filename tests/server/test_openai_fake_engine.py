@@ -450,6 +450,13 @@ def test_unknown_routes_and_methods_are_openai_errors(fake, method, path, status
         assert r.headers["allow"]
 
 
+def test_health_answers_head_probes(fake) -> None:
+    client, engine = fake
+    assert client.head("/health").status_code == 200
+    engine.is_dead, engine.dead_reason = True, "engine died"
+    assert client.head("/health").status_code == client.get("/health").status_code == 503
+
+
 def test_only_json_bodies_start_generations(fake) -> None:
     # A browser posts text/plain or a form across origins without a preflight (CVE-2021-32677).
     client, engine = fake
