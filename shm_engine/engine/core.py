@@ -237,7 +237,13 @@ class EngineCore:
 
     def execute_dummy_batch(self) -> None:
         """Run one tiny forward outside the scheduler (warm-up, liveness check)."""
-        self.runner.execute_dummy()
+        if self._executor is None:
+            self.runner.execute_dummy()
+            return
+        # NOTE: with a batch queue the model thread may be in a step's forward right now; the
+        # model's scratch buffers and the kernels' thread pool serve one forward at a time, so
+        # the dummy queues behind that step on the same thread.
+        self._executor.submit(self.runner.execute_dummy).result()
 
     def echo(self, value):
         """Returns its argument; lets clients test the utility path."""

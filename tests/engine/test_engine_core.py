@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 from typing import Any
@@ -70,6 +71,37 @@ def test_an_abort_with_its_step_still_queued_leaves_no_sampler_state() -> None:
         assert len(drain(core)["R"]) == 6
         state: Any = core.runner.sampler_states.get("R")
         assert state is None or (state.params.temperature, state.params.seed) == (1.0, 1234)
+    finally:
+        core.shutdown()
+
+
+def test_a_dummy_batch_never_runs_beside_a_step() -> None:
+    # With a batch queue a step's forward runs on the model thread; a dummy forward from the
+    # busy loop ran at the same time, over the same scratch buffers and kernel thread pool.
+    core = make_core(batch_queue_size=2, step_s=0.05)
+    inside, overlaps = threading.Lock(), []
+    execute, dummy = core.runner.execute, core.runner.execute_dummy
+
+    def exclusive(run: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            overlaps.append(not inside.acquire(blocking=False))
+            try:
+                time.sleep(0.01)
+                return run(*args)
+            finally:
+                if not overlaps[-1]:
+                    inside.release()
+
+        return wrapped
+
+    core.runner.execute = exclusive(execute)  # type: ignore[method-assign]
+    core.runner.execute_dummy = exclusive(dummy)  # type: ignore[method-assign]
+    try:
+        core.add_request(request("A", list(range(3, 40)), temperature=0.0))
+        while core.has_work():
+            core.step_with_batch_queue()
+            core.execute_dummy_batch()
+        assert len(overlaps) > 4 and not any(overlaps)
     finally:
         core.shutdown()
 
