@@ -38,6 +38,9 @@ from shm_engine.engine.protocol import (
     UtilityCall,
 )
 
+# What encoding a message raises (the ring's own errors are IPCError and TimeoutError): nothing
+# was written, the engine is fine, and the caller learns what was wrong with the message.
+_ENCODE_ERRORS = (TypeError, ValueError, OverflowError, NotImplementedError, msgspec.EncodeError)
 logger = logging.getLogger(__name__)
 
 
@@ -58,19 +61,29 @@ class InprocClient:
         self.core = core or EngineCore(config)
         self.ready = self.core.ready_info()
         self._errors: list[EngineCoreOutputs] = []
+        self._shut_down = False
+
+    def _check(self) -> None:
+        """As the process clients: after shutdown every call says the engine is gone (a step
+        ran into the released KV cache and logged a model failure)."""
+        if self._shut_down:
+            raise EngineDeadError("engine shut down")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         from shm_engine.engine.core_proc import _error_output
 
+        self._check()
         try:
             self.core.add_request(request)
         except (ValueError, RuntimeError) as e:
             self._errors.append(_error_output(request.request_id, str(e)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self._check()
         self.core.abort_requests(request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        self._check()
         if self._errors:
             return self._errors.pop(0)
         if self.core.batch_queue_size > 1:
@@ -80,12 +93,15 @@ class InprocClient:
     def call_utility(self, method: str, *args: Any) -> Any:
         from shm_engine.engine.core_proc import UTILITY_METHODS
 
+        self._check()
         if method not in UTILITY_METHODS:
             raise UtilityError(f"unknown utility method {method!r}")
         return getattr(self.core, method)(*args)
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        if not self._shut_down:
+            self._shut_down = True
+            self.core.shutdown()
 
 
 class SyncMPClient:
@@ -237,6 +253,8 @@ class SyncMPClient:
             # several threads (an appliance's workers, a /metrics scrape).
             with self._send_lock:
                 self.channel.send(msg, timeout=5.0)
+        except _ENCODE_ERRORS:
+            raise  # the message is at fault (a utility argument msgpack cannot carry), not the engine
         except Exception as e:
             self._check()
             raise EngineDeadError(f"could not reach the engine: {e}") from e
@@ -258,7 +276,12 @@ class SyncMPClient:
         call_id = next(self._call_ids)
         with self._lock:
             self._pending[call_id] = fut
-        self._send(UtilityCall(call_id=call_id, method=method, args=list(args)))
+        try:
+            self._send(UtilityCall(call_id=call_id, method=method, args=list(args)))
+        except BaseException:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise
         return fut
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = 300.0) -> Any:

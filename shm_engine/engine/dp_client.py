@@ -74,8 +74,16 @@ class DPClient:
                 i, inner = entry
                 self.load[i] -= 1
                 per_engine.setdefault(i, []).append(inner)
+        # NOTE: every replica gets its aborts before any error is raised: one dead replica
+        # stopped the loop, and the live ones ran the forgotten requests to max_tokens.
+        errors = []
         for i, ids in per_engine.items():
-            self.engines[i].abort_requests(ids)
+            try:
+                self.engines[i].abort_requests(ids)
+            except EngineDeadError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         try:

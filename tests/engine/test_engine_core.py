@@ -11,6 +11,7 @@ import pytest
 import torch
 from model.conftest import tiny_config, tiny_weights
 
+from shm_engine.engine.client import EngineDeadError, InprocClient
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.core import EngineCore
 from shm_engine.engine.model_runner import ModelRunner
@@ -104,6 +105,16 @@ def test_a_dummy_batch_never_runs_beside_a_step() -> None:
         assert len(overlaps) > 4 and not any(overlaps)
     finally:
         core.shutdown()
+
+
+def test_the_in_process_client_after_shutdown_says_the_engine_is_gone() -> None:
+    # As the process clients do; a step used to run into the released KV cache instead.
+    client = InprocClient(EngineConfig(), core=make_core())
+    client.shutdown()
+    client.shutdown()
+    for call in (lambda: client.get_output(), lambda: client.call_utility("echo", 1)):
+        with pytest.raises(EngineDeadError, match="shut down"):
+            call()
 
 
 @pytest.mark.parametrize("budget", [64, 5])  # the whole prompt in a step, or chunks of 5

@@ -204,6 +204,12 @@ def test_utility_calls(client):
         client.call_utility("profile", False)
     client.call_utility("execute_dummy_batch")
     assert client.call_utility("reset_prefix_cache") >= 0
+    # An argument msgpack cannot carry is the caller's mistake, not a dead engine (it raised
+    # EngineDeadError and left its future pending forever).
+    pending = len(client._pending)
+    with pytest.raises(NotImplementedError, match="cannot encode"):
+        client.call_utility("echo", object())
+    assert len(client._pending) == pending and not client.is_dead
     # Array arguments and results outlive the receive that brought them (16 MB through a 4 MiB
     # ring: later calls reuse the ring space of earlier ones).
     arrays = [np.full(100_000, i, dtype=np.int32) for i in range(40)]

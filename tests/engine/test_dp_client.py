@@ -1,0 +1,48 @@
+"""DPClient's routing over stand-in replicas (the real ones are in test_engine_e2e)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shm_engine.engine import dp_client
+from shm_engine.engine.client import EngineDeadError
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.protocol import EngineCoreRequest
+from shm_engine.sampling_params import SamplingParams
+
+
+class Replica:
+    """What DPClient uses of a SyncMPClient; ``dead`` makes every send fail as a dead one's."""
+
+    def __init__(self, config: EngineConfig, engine_index: int, outputs) -> None:
+        self.ready, self.dead, self.running = object(), False, set()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.running.add(request.request_id)
+
+    def abort_requests(self, ids: list[str]) -> None:
+        if self.dead:
+            raise EngineDeadError("engine process died")
+        self.running -= set(ids)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_an_abort_reaches_the_live_replicas_when_one_is_dead(monkeypatch) -> None:
+    # A dead replica's error stopped the loop: the live one ran the forgotten request on.
+    monkeypatch.setattr(dp_client, "SyncMPClient", Replica)
+    client = dp_client.DPClient(EngineConfig(), 2)
+    params = SamplingParams(max_tokens=4)
+    for rid in ("a", "b"):
+        client.add_request(
+            EngineCoreRequest(
+                request_id=rid, prompt_token_ids=np.array([1, 2]), sampling_params=params
+            )
+        )
+    dead, live = client.engines
+    dead.dead = True
+    with pytest.raises(EngineDeadError):
+        client.abort_requests(["a", "b"])
+    assert not live.running and client.load == [0, 0]
