@@ -158,10 +158,11 @@ def _sse_error(e: BaseException) -> bytes:
 def _usage(prompts: list[_Prompt], generated: bool = True) -> dict[str, Any]:
     """The usage object; generated=False for echo_only, whose one sampled token is dropped."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    completion = sum(
-        len(c.token_ids) for p in prompts if p.final is not None for c in p.final.outputs
+    completion = (
+        sum(len(c.token_ids) for p in prompts if p.final is not None for c in p.final.outputs)
+        if generated
+        else 0
     )
-    completion *= generated
     cached = sum(p.final.num_cached_tokens for p in prompts if p.final is not None)
     return {
         "prompt_tokens": prompt_tokens,

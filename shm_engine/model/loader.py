@@ -194,7 +194,6 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     shapes = {}
     for name in expected_weight_names(config):
-        suffix = name.rsplit(".", 2)
-        key = f"{suffix[-2]}.{suffix[-1]}"
+        key = ".".join(name.split(".")[-2:])  # e.g. "q_proj.weight", "input_layernorm.weight"
         shapes[name] = by_suffix["norm.weight" if key.endswith("norm.weight") else key]
     return shapes

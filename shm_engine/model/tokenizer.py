@@ -123,7 +123,6 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 }
 # families whose BPE first looks a whole pre-token up in the vocabulary (llama.cpp ignore_merges)
 _IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
-# names for which llama.cpp adds BOS when the GGUF has no tokenizer.ggml.add_bos_token
 # Tokens llama.cpp treats as end of generation whatever the file's EOS says (its EOG set): a
 # GGUF model that emits one is done, and running on would generate past the end of the turn.
 _END_OF_GENERATION_TEXTS = frozenset(
@@ -142,6 +141,7 @@ _END_OF_GENERATION_TEXTS = frozenset(
         "<|call|>",
     }
 )
+# names for which llama.cpp adds BOS when the GGUF has no tokenizer.ggml.add_bos_token
 _ADD_BOS_PRE = frozenset((*_LLAMA3_BOS_NAMES, "tekken"))
 
 
