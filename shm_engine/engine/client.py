@@ -113,9 +113,17 @@ class SyncMPClient:
         startup_timeout: float = 300.0,
         engine_index: int = 0,
         outputs: queue.Queue | None = None,
+        ring_capacity: int | None = None,
     ) -> None:
-        """``outputs``: a queue shared with other clients (data parallel merges replicas here)."""
+        """``outputs``: a queue shared with other clients (data parallel merges replicas here).
+
+        ``ring_capacity``: bytes of each direction's ring (a power of two; the IPC default if None).
+        """
         from shm_engine.ipc import ChannelListener
+        from shm_engine.ipc.channel import DEFAULT_CAPACITY, check_capacity
+
+        self._ring_capacity = DEFAULT_CAPACITY if ring_capacity is None else ring_capacity
+        check_capacity(self._ring_capacity)  # before a process is spawned for nothing
 
         self.config = config
         self.engine_index = engine_index
@@ -167,7 +175,9 @@ class SyncMPClient:
         while True:
             try:
                 return self.listener.accept(
-                    timeout=0.5, recv_type=EngineMessage | EngineHello | EngineReady
+                    timeout=0.5,
+                    recv_type=EngineMessage | EngineHello | EngineReady,
+                    capacity=self._ring_capacity,
                 )
             except TimeoutError:
                 if self.proc.poll() is not None:

@@ -128,6 +128,8 @@ class EngineCoreProc:
         # Per client: messages handed to the output thread and not yet written. While non-zero
         # only the output thread writes that client's ring (single producer, order kept).
         self._backlog = [0] * len(self.channels)
+        self._sent = 0  # items the output thread has finished with (shutdown watches progress)
+        self._draining = False
         self._emit_lock = threading.Lock()
         self.request_client: dict[str, int] = {}
         self.closed_clients: set[int] = set()
@@ -215,14 +217,19 @@ class EngineCoreProc:
             client, out = item
             chan = self.channels[client]
             try:
-                if out is _FLUSH:
+                if chan.closed:
+                    pass  # shutdown gave up on this client: drop what is still queued for it
+                elif out is _FLUSH:
                     chan.flush()
                 else:
                     chan.send(out)
+            except ChannelClosedError:
+                pass  # closed by shutdown while this send waited for room, or by the client
             except Exception:
                 logger.warning("could not send to client %d", client, exc_info=True)
             with self._emit_lock:
                 self._backlog[client] -= 1
+                self._sent += 1
 
     # ------------------------------------------------------------------ busy loop
 
@@ -320,16 +327,31 @@ class EngineCoreProc:
     def send_engine_dead(self, message: str) -> None:
         for client in range(len(self.channels)):
             self._emit(client, EngineDead(message=message))
+        self._drain_outputs()
+
+    def _drain_outputs(self, stall: float = 0.5) -> None:
+        """Let the output thread write what is queued for as long as the clients keep reading.
+
+        NOTE: a client that stopped reading (stuck, or gone without hanging up its liveness
+        socket) must not hold the exit: once nothing has gone out for ``stall`` seconds we stop
+        waiting, and closing the channels then ends a send blocked on a full ring within one
+        wait slice.
+        """
+        if self._draining or not self.output_thread.is_alive():
+            return
+        self._draining = True
         self.output_queue.put(_SHUTDOWN)
-        self.output_thread.join(timeout=5.0)
+        sent = -1
+        while self.output_thread.is_alive() and self._sent != sent:
+            sent = self._sent
+            self.output_thread.join(timeout=stall)
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self.output_thread.is_alive():
-            self.output_queue.put(_SHUTDOWN)
-            self.output_thread.join(timeout=5.0)
+        self._drain_outputs()
         for chan in self.channels:
             chan.close()
+        self.output_thread.join(timeout=1.0)
         self.core.shutdown()
 
 

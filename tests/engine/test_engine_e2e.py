@@ -335,6 +335,37 @@ def test_engine_death_is_reported_within_a_second(sig, tokenizer):
     assert shm_entries() <= before
 
 
+def test_sigterm_exits_promptly_when_the_client_stopped_reading():
+    """A full output ring must not hold the engine's exit: it flushes only while the client reads."""
+    import queue
+
+    before = shm_entries()
+    stuck: queue.Queue = queue.Queue(maxsize=1)  # the receiver blocks on its second output
+    c = SyncMPClient(
+        config(num_kv_blocks=256, max_num_seqs=32), outputs=stuck, ring_capacity=1 << 16
+    )
+    try:
+        for i in range(32):
+            c.add_request(request(f"r{i}", [1, 2, 3 + i], 400, ignore_eos=True, logprobs=20))
+        time.sleep(4)  # ~12 KB of outputs a step fill the 64 KiB ring in well under a second
+        os.kill(c.proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        assert c.proc.wait(10) == 0
+        assert time.monotonic() - t0 < 2.0  # was 5.2 s: a 5 s join of the blocked output thread
+    finally:
+        while not stuck.empty():
+            stuck.get_nowait()
+        c.shutdown()
+    assert shm_entries() <= before
+
+
+def test_a_bad_ring_capacity_is_refused_before_an_engine_is_spawned():
+    before = shm_entries()
+    with pytest.raises(ValueError, match="power of two"):
+        SyncMPClient(config(), ring_capacity=100_000)
+    assert shm_entries() <= before
+
+
 def test_a_corrupt_request_ring_fails_its_client_at_once():
     # The engine's input thread must not die silently: the client hears EngineDead and the
     # engine, left without clients, exits.
