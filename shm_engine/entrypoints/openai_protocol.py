@@ -202,3 +202,54 @@ def count_chat_messages(body: bytes) -> int | None:
         return len(_CHAT_SHAPE.decode(body).messages)
     except msgspec.DecodeError:  # ValidationError included
         return None
+
+
+# --------------------------------------------------------------------------- error responses
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer, as OpenAI's; documents the OpenAPI schema only (the
+    server builds these bodies directly)."""
+
+    error: ErrorInfo
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+# The answers of the two generation routes, for the OpenAPI schema.
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion; with `stream`, server-sent events ending in `[DONE]`",
+        "content": {"text/event-stream": {}},
+    },
+    400: _error("Invalid parameters, a prompt longer than the context, or a body not JSON"),
+    404: _error("The model is not served here"),
+    413: _error("The request body is too large"),
+    503: _error("The engine is not running"),
+}
+
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine is running"},
+    503: _error("The engine is not running"),
+}
+
+
+def without_validation_422(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI documents a 422 for every route with a body; this server answers 400 instead
+    (OpenAI's status for an invalid request), so the schema drops the 422 and its models."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    models = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        models.pop(name, None)
+    return schema

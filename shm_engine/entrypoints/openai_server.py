@@ -41,9 +41,12 @@ from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from shm_engine.entrypoints.openai_logprobs import LogprobCursor, LogprobFormatter, TokenTable
 from shm_engine.entrypoints.openai_protocol import (
+    GENERATION_RESPONSES,
+    HEALTH_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
     count_chat_messages,
+    without_validation_422,
 )
 from shm_engine.sampling_params import SamplingParams
 
@@ -793,14 +796,21 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Hot
     async def _any_error(request: Request, e: Exception) -> Response:
         return api_error_response(e)
 
-    @app.post("/v1/completions")
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = without_validation_422(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         try:
             return await server(raw).completions(req, raw)
         except Exception as e:  # answered here: the generic handler would also log a traceback
             return api_error_response(e)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         try:
             return await server(raw).chat(req, raw)
@@ -811,7 +821,10 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Hot
     async def models(raw: Request) -> dict[str, Any]:
         return server(raw).models()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers probe with it
+    # HEAD: load balancers probe with it. Two routes, not one with two methods, so the OpenAPI
+    # schema gets an operation id each.
+    @app.get("/health", responses=HEALTH_RESPONSES)
+    @app.head("/health", responses=HEALTH_RESPONSES)
     async def health(raw: Request) -> Response:
         s = server(raw)
         if s.engine.is_dead:

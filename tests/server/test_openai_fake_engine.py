@@ -11,6 +11,7 @@ import json
 import threading
 import time
 import types
+import warnings
 from collections.abc import AsyncIterator
 
 import jinja2
@@ -455,6 +456,25 @@ def test_health_answers_head_probes(fake) -> None:
     assert client.head("/health").status_code == 200
     engine.is_dead, engine.dead_reason = True, "engine died"
     assert client.head("/health").status_code == client.get("/health").status_code == 503
+
+
+def test_openapi_schema_documents_the_statuses_the_server_answers(fake) -> None:
+    client, _ = fake
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. FastAPI's duplicate operation id
+        schema = client.get("/openapi.json").json()
+    operations = [op for ops in schema["paths"].values() for op in ops.values()]
+    assert len({op["operationId"] for op in operations}) == len(operations)
+    for op in operations:
+        assert "422" not in op["responses"]  # invalid requests get 400, as OpenAI's
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"200", "400", "404", "503"} <= set(responses)
+        ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/ErrorResponse")
+    error = schema["components"]["schemas"]["ErrorInfo"]
+    assert set(error["properties"]) == {"message", "type", "param", "code"}
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
 
 
 def test_only_json_bodies_start_generations(fake) -> None:
