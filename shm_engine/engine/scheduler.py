@@ -98,6 +98,10 @@ class _WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.context_len = max_model_len  # the model's (or the configured) limit
+        # NOTE: no sequence may outgrow the cache: one that did would preempt itself and never
+        # fit again (a request that neither runs nor ends).
+        max_model_len = min(max_model_len, num_blocks * config.block_size)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # A prompt (or a preempted sequence) longer than one step's budget could never run.
             raise ValueError(
@@ -121,10 +125,10 @@ class Scheduler:
         """Raise ValueError if a prompt can never run: longer than the context or the whole cache."""
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
-        if num_prompt_tokens >= self.max_model_len:
+        if num_prompt_tokens >= self.context_len:
             raise ValueError(
                 f"the prompt has {num_prompt_tokens} tokens; this model's context length is "
-                f"{self.max_model_len} (including at least one output token)"
+                f"{self.context_len} (including at least one output token)"
             )
         capacity = self.kv.pool.num_blocks * self.config.block_size
         if num_prompt_tokens + 1 > capacity:

@@ -300,6 +300,21 @@ def test_prompts_that_cannot_fit_are_rejected():
     s.check_fits(15)
 
 
+def test_a_sequence_ends_when_it_fills_the_whole_cache():
+    # max_model_len beyond the cache: the request used to preempt itself once it needed every
+    # block and more, and then never fit again (schedule() returned empty batches forever).
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=1024)
+    s.add_request(make_request("a", list(range(1, 11)), max_tokens=100, ignore_eos=True))
+    got = []
+    for _ in range(50):
+        _, o = run_step(s)
+        got += o.new_token_ids
+        if o.finished:
+            break
+    assert o.finished == {0: "length"} and len(got) == 16 - 10  # the cache's 16 positions
+    assert not s.has_requests() and s.kv.num_free_blocks == 4
+
+
 def test_priority_policy_admits_and_preempts_by_priority():
     s = make_scheduler(budget=4, block_size=4, scheduling_policy="priority")
     s.add_request(make_request("low", [1, 2, 3, 4], priority=5, arrival=1.0))
