@@ -35,13 +35,32 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):  # vLLM accepts a single string
+        # What vLLM's SamplingParams accepts and normalises, so configs written for it work.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a stream withholds until the request ends: a stop string completed later
+        cuts the text back to where it starts, and what was already sent cannot be taken back."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field; the engine turns it into a client error.

@@ -27,6 +27,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def snapshot(self) -> CompletionOutput:
+        return CompletionOutput(
+            self.index,
+            self.text,
+            self.token_ids,
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )
+
 
 @dataclass
 class RequestMetrics:
@@ -79,11 +90,13 @@ class _ParentState:
         return self.error is not None or all(c.completion.finished() for c in self.children)
 
     def output(self) -> RequestOutput:
+        """A snapshot: later steps change neither its text nor its finish reasons. The token
+        and logprob lists are shared and keep growing (copying them would cost O(length) a step)."""
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [c.completion for c in self.children],
+            [c.completion.snapshot() for c in self.children],
             self.finished,
             self.num_cached_tokens,
             self.error,
@@ -178,7 +191,11 @@ class OutputProcessor:
             state.parent.error = err.message
             state.completion.finish_reason = "error"
             touched[state.parent.request_id] = state.parent
-            to_abort += [c.engine_id for c in state.parent.children if c is not state]
+            # The request fails as a whole: its other completions are stopped, and say so.
+            for c in state.parent.children:
+                if not c.completion.finished():
+                    c.completion.finish_reason = "abort"
+                    to_abort.append(c.engine_id)
         k = 0
         for row, (eid, n) in enumerate(zip(out.request_ids, out.num_new_tokens, strict=True)):
             new_ids = out.new_token_ids[k : k + n]

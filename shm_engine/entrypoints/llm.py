@@ -68,6 +68,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. Every prompt is checked before any is sent: an
+        empty one or one that cannot fit the context raises ValueError, as in vLLM."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         if sampling_params is None:
@@ -119,6 +121,7 @@ class LLM:
             raise ValueError("stream() produces one completion; use generate() for n > 1")
         rid = self._add(*self._tokenize(prompt), params)
         sent = 0
+        hold = params.stop_holdback
         try:
             while True:
                 r = self._latest.pop(rid, None)
@@ -128,23 +131,34 @@ class LLM:
                 if r.error:
                     raise ValueError(r.error)
                 text = r.outputs[0].text
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
+                end = len(text) if r.finished else len(text) - hold
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
                 if r.finished:
                     return
         finally:
             self._abort([rid])  # a no-op once it finished; closed early: stop generating
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text and ids; ValueError (as vLLM's) if it is empty or cannot fit."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        text = prompt.get("prompt")
-        token_ids = prompt.get("prompt_token_ids")
-        if token_ids is None:
-            if text is None:
-                raise ValueError("a prompt needs 'prompt' or 'prompt_token_ids'")
-            token_ids = self.tokenizer.encode(text)
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text = prompt.get("prompt")
+            token_ids = prompt.get("prompt_token_ids")
+            if token_ids is None:
+                if text is None:
+                    raise ValueError("a prompt needs 'prompt' or 'prompt_token_ids'")
+                token_ids = self.tokenizer.encode(text)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        limit = self.client.ready.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; this model's context length is {limit}"
+                " (including at least one output token)"
+            )
         return text, list(token_ids)
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:

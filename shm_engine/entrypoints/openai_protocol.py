@@ -13,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shm_engine.model.tokenizer import content_text
 from shm_engine.sampling_params import SamplingParams
 
 
@@ -140,16 +141,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            if p.type != "text":
-                raise ValueError(f"content parts of type {p.type!r} are not supported")
-            parts.append(p.text or "")
-        return "".join(parts)
+        if self.content is None or isinstance(self.content, str):
+            return content_text(self.content)
+        return content_text([p.model_dump() for p in self.content])
 
 
 class ChatCompletionRequest(_SamplingFields):

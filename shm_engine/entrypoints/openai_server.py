@@ -129,13 +129,6 @@ class _Prompt:
     handle: RequestHandle | None = None
 
 
-def _holdback(params: SamplingParams) -> int:
-    """Characters to withhold while streaming: a stop string may still cut them off."""
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1
-
-
 def _sse_chunk(
     rid: str, obj: str, created: int, model: str, choices: list[dict], usage: dict | None
 ) -> bytes:
@@ -479,7 +472,7 @@ class OpenAIServer:
         created = int(time.time())
         params = prompts[0].params
         n = params.n
-        hold = _holdback(params)
+        hold = params.stop_holdback
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
             return _sse_chunk(rid, "text_completion", created, self.model_name, choices, usage)
@@ -562,7 +555,7 @@ class OpenAIServer:
     async def _stream_chat(self, req: ChatCompletionRequest, p: _Prompt) -> AsyncIterator[bytes]:
         created = int(time.time())
         params = p.params
-        hold = _holdback(params)
+        hold = params.stop_holdback
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
             return _sse_chunk(

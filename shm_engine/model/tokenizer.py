@@ -344,7 +344,7 @@ class Tokenizer:
         """Render the model's own chat template (as text; encode with add_special_tokens=False)."""
         template = self._compiled(chat_template)
         return template.render(
-            messages=[dict(m) for m in messages],
+            messages=[_text_parts_joined(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
@@ -359,6 +359,31 @@ class Tokenizer:
                 raise ValueError("this model has no chat template; pass chat_template explicitly")
             self._template = _chat_env().from_string(self.chat_template)
         return self._template
+
+
+def content_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
+    """A chat message's content as the template's text: OpenAI-style parts
+    (``[{"type": "text", "text": ...}]``) joined, as vLLM does. Other kinds (images, audio)
+    are refused: this engine runs text models only."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported")
+        texts.append(part.get("text") or "")
+    return "".join(texts)
+
+
+def _text_parts_joined(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The message for the template: content parts joined; a string or None kept as given."""
+    content = message.get("content")
+    if isinstance(content, str) or content is None:
+        return dict(message)
+    return {**message, "content": content_text(content)}
 
 
 class IncrementalDetokenizer:

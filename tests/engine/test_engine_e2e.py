@@ -442,6 +442,21 @@ def test_llm_generate_matches_in_process_engine():
 
 
 @pytest.mark.skipif(DTYPE != "int8", reason="the int8 cache is the int8 path's")
+def test_llm_stream_never_yields_text_a_stop_string_takes_back():
+    from shm_engine import LLM
+
+    prompt = "The capital of France is"
+    with LLM(dtype=DTYPE, num_kv_blocks=128) as llm:
+        free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24), False)
+        words = free[0].outputs[0].text.split()
+        assert len(words) >= 4
+        stop = f"{words[2]} {words[3]}"  # completed a few tokens after it starts
+        params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])
+        whole = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+        pieces = list(llm.stream(prompt, params))
+    assert "".join(pieces) == whole and stop not in whole
+
+
 def test_llm_stream_paused_while_generate_runs_still_ends():
     # generate() pumps the engine for everyone: the paused stream's outputs, its last one
     # included, wait for it instead of being dropped (the stream used to block forever).
@@ -461,6 +476,12 @@ def test_llm_stream_paused_while_generate_runs_still_ends():
         with pytest.raises(ValueError, match="temperature"):
             llm.generate(["a", "b"], [params, bad], use_tqdm=False)
         assert not llm.processor.has_unfinished() and not llm._latest
+        # As vLLM's: a prompt that cannot fit raises before anything is sent.
+        too_long = {"prompt_token_ids": [5] * llm.client.ready.max_model_len}
+        for prompt, match in ((too_long, "context length"), ({"prompt_token_ids": []}, "empty")):
+            with pytest.raises(ValueError, match=match):
+                llm.generate(["a", prompt], params, use_tqdm=False)
+            assert not llm.processor.has_unfinished()
         assert llm.get_stats().num_running + llm.get_stats().num_waiting == 0
     finally:
         llm.shutdown()

@@ -119,7 +119,20 @@ def test_engine_errors_finish_the_request_and_abort_its_siblings(tokenizer):
     )
     assert results[0].finished and results[0].error == "prompt too long"
     assert aborts == ["1_r"]
+    # a finished request says why for every completion
+    assert [c.finish_reason for c in results[0].outputs] == ["error", "abort"]
     assert not proc.has_unfinished()
+
+
+def test_an_output_handed_out_is_not_changed_by_later_steps(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    proc.add_request("r", None, [1], SamplingParams(max_tokens=len(ids)))
+    first = proc.process(step({"r": ids[0]}))[0][0]
+    text = first.outputs[0].text
+    feed(proc, "r", ids[1:])
+    assert first.outputs[0].text == text and first.outputs[0].finish_reason is None
+    assert not first.finished
 
 
 def test_cached_tokens_logprobs_and_metrics(tokenizer):

@@ -91,6 +91,14 @@ def test_chat_template_keeps_given_system_prompt(tok: Tokenizer) -> None:
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 
 
+def test_chat_content_parts_render_as_their_joined_text(tok: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    as_parts = tok.apply_chat_template([{"role": "user", "content": parts}])
+    assert as_parts == tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    with pytest.raises(ValueError, match="image_url"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
 def test_chat_template_is_sandboxed(tok: Tokenizer) -> None:
     with pytest.raises(jinja2.exceptions.SecurityError):
         tok.apply_chat_template([], chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")

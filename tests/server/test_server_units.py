@@ -14,7 +14,7 @@ from shm_engine.benchmarks import prompts
 from shm_engine.benchmarks import serve as bench
 from shm_engine.entrypoints.async_engine import _Stream
 from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from shm_engine.entrypoints.openai_server import _holdback, _merge
+from shm_engine.entrypoints.openai_server import _merge
 from shm_engine.sampling_params import SamplingParams
 
 
@@ -62,9 +62,9 @@ def test_chat_rejects_top_logprobs_without_logprobs_and_tools() -> None:
 
 
 def test_holdback_covers_the_longest_stop_string_but_one() -> None:
-    assert _holdback(SamplingParams()) == 0
-    assert _holdback(SamplingParams(stop=["ab", "xyzw"])) == 3
-    assert _holdback(SamplingParams(stop=["xyzw"], include_stop_str_in_output=True)) == 0
+    assert SamplingParams().stop_holdback == 0
+    assert SamplingParams(stop=["ab", "xyzw"]).stop_holdback == 3
+    assert SamplingParams(stop=["xyzw"], include_stop_str_in_output=True).stop_holdback == 0
 
 
 def test_stream_slot_keeps_only_the_newest_output_and_reports_errors() -> None:

@@ -1,0 +1,38 @@
+"""SamplingParams: what vLLM's accepts and normalises is accepted the same way; bad values are
+refused with the field's name."""
+
+from __future__ import annotations
+
+import pytest
+
+from shm_engine.sampling_params import SamplingParams
+
+
+def test_vllm_spellings_are_normalised() -> None:
+    sp = SamplingParams(
+        stop=None, stop_token_ids=None, seed=-1, logprobs=True, prompt_logprobs=True
+    )
+    assert sp.stop == [] and sp.stop_token_ids == []
+    assert sp.seed is None  # vLLM's "no seed"
+    assert sp.logprobs == 1 and sp.prompt_logprobs == 1
+    sp.check_types()  # and the result is what the wire format takes
+    assert SamplingParams(stop="END").stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"n": 0}, "n"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+     ({"top_k": -2}, "top_k"), ({"seed": -2}, "seed"), ({"logprobs": 21}, "logprobs"),
+     ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens")],
+)  # fmt: skip
+def test_invalid_values_name_their_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_a_field_assigned_the_wrong_type_later_is_caught_before_sending() -> None:
+    sp = SamplingParams()
+    sp.logprobs = True  # after construction nothing normalises it
+    with pytest.raises(ValueError, match="logprobs must be an integer"):
+        sp.check_types()
