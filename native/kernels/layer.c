@@ -33,7 +33,10 @@ void shmk_llama_forward(const shmk_layer_t *layers, const shmk_kv_t *kv, int64_t
 
 int shmk_check_step(const shmk_step_t *s, int64_t num_blocks, int64_t block_size) {
     const int32_t *qsl = s->query_start_loc;
-    if (s->b > 0 && (qsl[0] != 0 || qsl[s->b] != s->t)) return SHMK_STEP_QSL;
+    /* NOTE: with no sequences there must be no query tokens either: t > 0 tokens that no
+     * sequence owns would leave the attention output uninitialised (paged_attention) or stale
+     * (the fused layer's scratch) */
+    if (s->b > 0 ? qsl[0] != 0 || qsl[s->b] != s->t : s->t != 0) return SHMK_STEP_QSL;
     for (int64_t i = 0; i < s->b; i++) {
         const int64_t q_len = (int64_t)qsl[i + 1] - qsl[i], len = s->seq_lens[i];
         if (q_len < 0 || q_len > len) return SHMK_STEP_QLEN;

@@ -64,13 +64,19 @@ static void run_tasks(uint32_t g, int tid) {
     for (;;) {
         if ((uint32_t)(v >> 32) != g || (uint32_t)v == 0) return;
         if (!atomic_compare_exchange_weak(&P.claim, &v, v - 1)) continue;
-        int64_t task = P.ntasks - (int64_t)(uint32_t)v;
-        P.fn(P.ctx, task, tid);
+        /* NOTE: the job's fields are read only while this claim is held, i.e. before the
+         * fetch_add on done below: once done reaches ntasks the caller returns, and the next
+         * shmk_parallel rewrites fn / ctx / ntasks (reading P.ntasks after the fetch_add raced
+         * with that write; ThreadSanitizer reported it). */
+        const int64_t ntasks = P.ntasks;
+        P.fn(P.ctx, ntasks - (int64_t)(uint32_t)v, tid);
         int d = atomic_fetch_add(&P.done, 1) + 1;
-        if (d == P.ntasks && atomic_load(&P.waiting)) futex_wake(&P.done, 1);
+        if (d == ntasks && atomic_load(&P.waiting)) futex_wake(&P.done, 1);
         v = atomic_load(&P.claim);
     }
 }
+
+static void scratch_free_all(void);
 
 static void *worker(void *arg) {
     int tid = (int)(intptr_t)arg;
@@ -91,7 +97,10 @@ static void *worker(void *arg) {
             t0 = __rdtsc();
         }
         seen = atomic_load(&P.gen);
-        if (atomic_load(&P.stop)) return NULL;
+        if (atomic_load(&P.stop)) {
+            scratch_free_all(); /* its thread-local buffers would leak (MBs after a prefill) */
+            return NULL;
+        }
         run_tasks((uint32_t)seen, tid);
     }
 }
@@ -248,4 +257,14 @@ void *shmk_scratch(int slot, size_t bytes) {
         scratch[slot].n = scratch[slot].p ? n : 0;
     }
     return scratch[slot].p;
+}
+
+/* Frees the calling thread's scratch (a pool worker, as it exits: thread-local storage is not
+ * freed with the thread, so each shmk_set_num_threads leaked the old workers' buffers). */
+static void scratch_free_all(void) {
+    for (int i = 0; i < NSLOTS; i++) {
+        free(scratch[i].p);
+        scratch[i].p = NULL;
+        scratch[i].n = 0;
+    }
 }

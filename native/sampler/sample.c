@@ -29,7 +29,9 @@
  * 1e-38 of 1; it also keeps slow subnormal arithmetic out of every later pass).  Sums are in double
  * (SIMD lanes add 4 floats <= 1 first: 2 roundings, below the exp error).  NaN logits are -inf
  * (weight 0, ranked last by top-k); a row without a finite or +inf logit draws token 0 (as argmax
- * would); a row with +inf logits draws uniformly among those.
+ * would); a row with +inf logits draws uniformly among those.  A row whose finite max overflows
+ * when divided by T (|max| / T > FLT_MAX: max / T is +-inf, every weight NaN, or every x +inf)
+ * takes e = exp((logit - max) / T) instead (shifted_pass), which cannot overflow.
  *
  * No allocation and no mutable global state: the caller's `work` holds every per-row array, so
  * calls with separate buffers may run concurrently (the cffi wrapper releases the GIL). */
@@ -643,16 +645,41 @@ static const kern_t KERN_PORTABLE = {max_portable,        topk_scan_portable, ex
 static const kern_t KERN_AVX2 = {max_avx2,        topk_scan_avx2, exp_pass_avx2, gather_avx2,
                                  block_sums_avx2, split_avx2,     keep_avx2};
 
-/* Rows whose max is +inf: the +inf tokens share the mass (exp(x - max) would be NaN). */
-static double inf_pass(const float *l, int64_t v, float t, int scale, float kth, float *e,
-                       double *bsum) {
+/* Rows whose max logit is +inf: the +inf logits share the mass (exp(x - max) would be NaN).
+ * NOTE: the logit is tested, not x = logit / T, which is +inf for large finite logits too at a
+ * small T.  Top-k and min-p keep every +inf logit (the k-th largest is <= +inf; each weighs 1). */
+static double inf_pass(const float *l, int64_t v, float *e, double *bsum) {
     double total = 0.0;
     for (int64_t b0 = 0, bi = 0; b0 < v; b0 += BLOCK, bi++) {
         int64_t b1 = b0 + BLOCK < v ? b0 + BLOCK : v;
         double s = 0.0;
         for (int64_t i = b0; i < b1; i++) {
-            float x = scale ? l[i] / t : l[i];
-            e[i] = x == INFINITY && x >= kth ? 1.0f : 0.0f;
+            e[i] = l[i] == INFINITY ? 1.0f : 0.0f;
+            s += e[i];
+        }
+        bsum[bi] = s;
+        total += s;
+    }
+    return total;
+}
+
+/* Rows whose finite max logit ml overflows when divided by T (|ml| / T > FLT_MAX, so m = ml / T
+ * is +-inf and exp(x - m) is NaN or every x is +inf): e = exp((l - ml) / T), top-k on the same
+ * (l - ml) / T, which is <= 0 (no +inf) and 0 at the max (weight 1), monotone in l like x.
+ * Equal to exp(x - m) up to rounding wherever that is defined; values that overflow to -inf
+ * weigh 0, as they would have.  Scalar and shared by both paths (such rows need |logits| >
+ * 3.4e33 at the smallest T, 1e-5: the common case keeps its vectorised pass untouched). */
+static double shifted_pass(const float *l, int64_t v, float t, float ml, float kl, float mp,
+                           float *e, double *bsum) {
+    const float kd = (kl - ml) / t; /* -inf without top-k: every non-NaN logit passes */
+    double total = 0.0;
+    for (int64_t b0 = 0, bi = 0; b0 < v; b0 += BLOCK, bi++) {
+        int64_t b1 = b0 + BLOCK < v ? b0 + BLOCK : v;
+        double s = 0.0;
+        for (int64_t i = b0; i < b1; i++) {
+            float d = (l[i] - ml) / t; /* NaN logits: NaN, weight 0 (both masks below fail) */
+            float w = isgreaterequal(d, kd) ? exp_neg(d) : 0.0f;
+            e[i] = mp > 0.0f && !(w >= mp) ? 0.0f : w;
             s += e[i];
         }
         bsum[bi] = s;
@@ -699,7 +726,7 @@ static int64_t sample_row(const kern_t *K, const ws_t *w, const float *l, int64_
     int scale = t != 1.0f;
     float m = scale ? ml / t : ml;
 
-    float kth = -INFINITY;
+    float kl = -INFINITY, kth = -INFINITY;
     if (top_k > 0 && top_k < v) {
         int neg = top_k > v / 2;
         int64_t k = neg ? v - top_k + 1 : top_k;
@@ -708,15 +735,20 @@ static int64_t sample_row(const kern_t *K, const ws_t *w, const float *l, int64_
         int64_t cap = 4 * k > 64 ? 4 * k : 64;
         topk_t s = {K, w->cand, w->e, 0, cap < v ? cap : v, k, -INFINITY};
         K->topk_scan(&s, l, v, neg);
-        float kl = tk_result(&s);
+        kl = tk_result(&s);
         if (neg) kl = -kl;
         kth = scale ? kl / t : kl; /* division is monotone: the k-th largest x itself */
     }
 
     /* min-p and top-k zero their tokens' weights here (+inf rows: the e == 1 tokens pass any min_p
      * <= 1, the others already weigh 0), so total is the mass of their survivors */
-    double total = m == INFINITY ? inf_pass(l, v, t, scale, kth, w->e, w->bsum)
-                                 : K->exp_pass(l, v, t, scale, m, kth, min_p, w->e, w->bsum);
+    double total;
+    if (ml == INFINITY)
+        total = inf_pass(l, v, w->e, w->bsum);
+    else if (m == INFINITY || m == -INFINITY) /* finite ml, but ml / T overflows */
+        total = shifted_pass(l, v, t, ml, kl, min_p, w->e, w->bsum);
+    else
+        total = K->exp_pass(l, v, t, scale, m, kth, min_p, w->e, w->bsum);
 
     /* top-p is "keep e >= thr"; the row's max has e == 1 and is always kept */
     float thr = 0.0f;

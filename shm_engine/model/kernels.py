@@ -222,8 +222,21 @@ class PackedLinear:
     )  # fmt: skip
 
     def __init__(self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True):
+        """Wrap already packed data (as ``from_float`` makes it); checked against n and k."""
+        if int(n) < 1 or int(k) < 1:
+            raise ValueError(f"n and k must be >= 1, got n={n}, k={k}")
         self.n, self.k, self.kp = int(n), int(k), padded_k(k)
         self.groups = self.kp // 32
+        # NOTE: C reads exactly these many elements through the raw pointers below
+        _check(packed, "packed", torch.int8, 1)
+        _shape(packed, "packed", (int(lib.shmk_packed_bytes(self.n, self.k)),))
+        _check(scales, "scales", torch.int16, 1)
+        _shape(scales, "scales", (int(lib.shmk_packed_scales(self.n, self.k)),))
+        if bias is not None:
+            _check(bias, "bias", torch.float32, 1)
+            _shape(bias, "bias", (self.n,))
+        if not math.isfinite(float(scale_mult)):
+            raise ValueError(f"scale_mult must be finite, got {scale_mult}")
         self.packed, self.scales, self.scale_mult, self.bias = packed, scales, scale_mult, bias
         self.act_bf16 = bool(act_bf16)
         c = ffi.new("shmk_linear_t *")

@@ -47,9 +47,15 @@ def kv_block_size(slab_rows: int, head_dim: int, dtype: torch.dtype) -> int:
 
 
 def check_kv_dtype(dtype: torch.dtype, head_dim: int) -> None:
-    """int8 rows are Hadamard-rotated: head_dim must be a power of two, at most 1024."""
-    if dtype == torch.int8 and (head_dim & (head_dim - 1) or not 1 <= head_dim <= 1024):
-        raise ValueError(f"an int8 KV cache needs a power-of-two head_dim <= 1024, got {head_dim}")
+    """int8 rows are Hadamard-rotated: head_dim must be a power of two, from 4 to 1024.
+
+    NOTE: at least 4: a slab's fp32 scales start right after its block_size rows of head_dim
+    bytes, 4-byte aligned only when head_dim is a multiple of 4 (with 1 or 2 the kernels read
+    and wrote misaligned floats)."""
+    if dtype == torch.int8 and (head_dim & (head_dim - 1) or not 4 <= head_dim <= 1024):
+        raise ValueError(
+            f"an int8 KV cache needs a power-of-two head_dim from 4 to 1024, got {head_dim}"
+        )
 
 
 def kv_bytes_per_block(

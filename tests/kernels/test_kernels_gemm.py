@@ -95,6 +95,92 @@ def test_quantize_rows_exact(path, m, k):
     np.testing.assert_array_equal(s.numpy(), s_ref)
 
 
+def _edge_rows(k: int) -> torch.Tensor:
+    """Rows at the quantiser's edges: tiny (32767 / max|x| overflows), NaN, inf, zero."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+    x[0] = 0.0
+    x[0, 0], x[0, k // 2] = 1e-36, -1e-36  # max|x| < 32767 / FLT_MAX, zeros beside
+    x[1] *= 1e-36  # tiny, no zero
+    x[2, 3] = nan  # NaN in the 8-wide part of the max
+    x[3, k - 1] = nan  # NaN last (the scalar tail for most k)
+    x[4] = nan  # only NaN
+    x[5, k // 3] = -inf  # max inf: every element 0, scale inf
+    x[6] = 0.0
+    x[7] *= 2.0**-99  # just above the "tiny" limit: quantised as usual
+    return x
+
+
+@pytest.mark.parametrize("k", [9, 40, 67])
+def test_quantize_edge_rows_same_on_every_path(k):
+    """Tiny rows quantise to zeros with scale 0 (32767 / max|x| used to overflow to inf: signs
+    flipped on AVX2, NaN cast to int16 in C); NaN elements never set the scale and quantise to
+    0 (AVX2's max had taken the NaN as the row's max); bit-identical on every path."""
+    x = _edge_rows(k)
+    res = {}
+    for path in PATHS:
+        K.set_path(path)
+        res[path] = K.quantize_rows(x)
+    xq, s = res["portable"]
+    for path in PATHS:
+        assert torch.equal(res[path][0], xq), path
+        assert torch.equal(res[path][1], s), path
+    for r in (0, 1, 4, 5, 6):
+        assert bool((xq[r] == 0).all()), r
+    assert s[[0, 1, 4, 6]].tolist() == [0.0] * 4 and s[5].item() == float("inf")
+    # NaN elements: 0, the rest as if they were 0; the last rows as the reference has them
+    clean = torch.nan_to_num(x[[2, 3, 7, 8]], nan=0.0)
+    q_ref, s_ref = ref_quant(clean.numpy())
+    np.testing.assert_array_equal(xq[[2, 3, 7, 8], :k].numpy(), q_ref)
+    np.testing.assert_array_equal(s[[2, 3, 7, 8]].numpy(), s_ref)
+    assert bool((xq[:, k:] == 0).all())
+
+
+def test_linear_edge_rows_same_on_every_path():
+    x = _edge_rows(67)
+    g = torch.Generator().manual_seed(3)
+    p = K.PackedLinear.from_float(torch.randn(40, 67, generator=g), torch.randn(40, generator=g))
+    K.set_path("portable")
+    want = K.linear(x, p)
+    assert torch.equal(want[[0, 1, 4, 6]], p.bias.expand(4, -1))  # zeros in: bias out
+    assert bool(want[[2, 3, 7, 8]].isfinite().all()) and bool(want[5].isnan().all())
+    for path in PATHS:
+        K.set_path(path)
+        torch.testing.assert_close(K.linear(x, p), want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_packed_linear_checks_its_buffers():
+    """The constructor hands raw pointers to C: the buffers are checked against n and k."""
+    n, k = 20, 40
+    g = torch.Generator().manual_seed(9)
+    good = K.PackedLinear.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g))
+    pk, sc, mult, b = good.packed, good.scales, good.scale_mult, good.bias
+    x = torch.randn(3, k, generator=g)
+    assert torch.equal(K.linear(x, K.PackedLinear(n, k, pk, sc, mult, b)), K.linear(x, good))
+    args = dict(n=n, k=k, packed=pk, scales=sc, scale_mult=mult, bias=b)
+    cases = [
+        (dict(packed=pk[:16].clone()), ValueError, "packed must have shape"),
+        (dict(packed=torch.cat([pk, pk[:1]])), ValueError, "packed must have shape"),
+        (dict(packed=pk.view(torch.uint8)), TypeError, "packed must have dtype"),
+        (dict(packed=pk.view(32, -1)), ValueError, "packed must be 1-D"),
+        (dict(packed=pk.repeat_interleave(2)[::2]), ValueError, "packed must be contiguous"),
+        (dict(packed=torch.empty_like(pk, device="meta")), ValueError, "packed must be a CPU"),
+        (dict(packed=pk.tolist()), TypeError, "packed must be a torch.Tensor"),
+        (dict(scales=sc[:4].clone()), ValueError, "scales must have shape"),
+        (dict(scales=sc.view(torch.float16)), TypeError, "scales must have dtype"),
+        (dict(bias=torch.zeros(3)), ValueError, "bias must have shape"),
+        (dict(bias=b.double()), TypeError, "bias must have dtype"),
+        (dict(n=n + 16), ValueError, "packed must have shape"),
+        (dict(k=k + 32), ValueError, "packed must have shape"),
+        (dict(n=0), ValueError, ">= 1"),
+        (dict(scale_mult=float("nan")), ValueError, "scale_mult"),
+    ]
+    for change, err, match in cases:
+        with pytest.raises(err, match=match):
+            K.PackedLinear(**(args | change))
+    assert K.PackedLinear(**(args | dict(bias=None))).bias is None
+
+
 def _rand_int(shape, lim, seed, extreme=False):
     g = torch.Generator().manual_seed(seed)
     if extreme:  # largest products: every |value| at its limit

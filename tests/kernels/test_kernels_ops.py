@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from shm_engine.model import kernels as K
-from shm_engine.model.kv_cache import kv_slab_rows
+from shm_engine.model.kv_cache import check_kv_dtype, kv_slab_rows
 
 PATHS = [p for p in ("portable", "avx2", "vnni") if K.PATHS[p] <= K.PATHS[K.best_path()]]
 
@@ -299,6 +299,41 @@ def test_attention_validation():
         K.paged_attention(q, kc, vc, scale=1.0, **{**meta, "block_table": wide})
 
 
+def test_attention_refuses_tokens_without_sequences():
+    """t > 0 query rows that no sequence owns (b = 0) are refused: nothing would write them
+    (the output came back uninitialised); t = 0 with b = 0 is an empty call."""
+    q, kc, vc, _, _, _ = make_batch([(10, 4)], 4, 2, 8, 4, seed=1)
+    none = dict(
+        block_table=torch.zeros(0, 3, dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32),
+        query_start_loc=torch.tensor([0], dtype=torch.int32),
+    )
+    for qsl in ([0], [4], [7]):
+        with pytest.raises(ValueError, match="query_start_loc"):
+            K.paged_attention(
+                q, kc, vc, scale=1.0, **(none | {"query_start_loc": torch.tensor(qsl)})
+            )
+    assert K.paged_attention(q[:0], kc, vc, scale=1.0, **none).shape == (0, 4, 8)
+
+
+def test_int8_cache_needs_head_dim_of_at_least_4():
+    """With head_dim 1 or 2 a slab's fp32 scales would sit at misaligned addresses: refused;
+    head_dim 4 (the smallest) works."""
+    for d in (1, 2):
+        with pytest.raises(ValueError, match="power-of-two head_dim from 4"):
+            check_kv_dtype(torch.int8, d)
+        kc = empty_cache(2, 1, 4, d, torch.int8)
+        with pytest.raises(ValueError, match="power-of-two head_dim from 4"):
+            K.write_kv(torch.randn(1, 1, d), torch.randn(1, 1, d), torch.tensor([0]), kc, kc)
+        check_kv_dtype(torch.float16, d)  # other cache types take any head_dim
+    check_kv_dtype(torch.int8, 4)
+    seqs = [(7, 7), (9, 1)]
+    q, kc, vc, meta, ks, vs = make_batch(seqs, 2, 1, 4, 3, seed=4, dtype=torch.int8)
+    out = K.paged_attention(q, kc, vc, scale=0.5, **meta)
+    ref = ref_attention(q, ks, vs, seqs, 2, 1, 0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_rope_refuses_an_empty_table():
     # Positions clamp into the table: an empty one would have been read before its start.
     with pytest.raises(ValueError, match="max_pos >= 1"):
@@ -513,9 +548,17 @@ def test_layer_step_validates_the_batch_in_c():
         "q_len": dict(seq_lens=torch.tensor([21, 8], dtype=torch.int32)),
         "capacity": dict(seq_lens=torch.tensor([21, 1000], dtype=torch.int32)),
     }
-    for match, change in cases.items():
+    no_seqs = dict(
+        block_table=torch.zeros(0, 4, dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32),
+        query_start_loc=torch.zeros(1, dtype=torch.int32),
+    )
+    for match, change in [*cases.items(), ("query_start_loc", no_seqs)]:
         with pytest.raises(ValueError, match=match):
             K.LayerStep(**(args | change))
+    # no sequences and no tokens is an empty step
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert K.LayerStep(**(args | no_seqs | dict(positions=empty, slot_mapping=empty))).t == 0
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -350,6 +350,39 @@ def test_non_finite_rows(path: str) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_logits_overflowing_at_small_temperature(path: str) -> None:
+    """Finite logits whose quotient by T overflows float32 (|logit| / T > 3.4e38): the weights
+    are exp((logit - max) / T), so the row's max takes all the mass (ties share it), as any small
+    T would give; not NaN probabilities and token 0 (max / T = -inf), nor a uniform draw among
+    the logits that overflow to +inf (max / T = +inf)."""
+    inf = float("inf")
+    rows = np.array(
+        [
+            [-2e34, -1e34, -3e34, -1.5e34, -inf],  # max / T = -inf
+            [1e34, 2e34, 1.5e34, -2e34, 0.0],  # max / T = +inf
+            [-1e34, -3e34, -2e34, -1e34, -5e34],  # tied maxima 0 and 3
+            [1e34, inf, -inf, 2e34, 3.0],  # a real +inf: only it, not the overflowing 1e34s
+        ],
+        dtype=np.float32,
+    )
+    want = [{1}, {1}, {0, 3}, {1}]
+    probs_want = np.zeros(rows.shape, dtype=np.float32)
+    probs_want[[0, 1, 3], 1] = 1.0
+    probs_want[2, [0, 3]] = 0.5
+    u = np.linspace(0.0, 0.999, 12)
+    for r in range(len(rows)):
+        for t, k, top_p, min_p in [(0.0, 0, 1.0, 0.0), (1e-5, 2, 0.9, 0.0), (1e-4, 0, 0.5, 0.1),
+                                   (1e-6, 4, 1.0, 0.5)]:  # fmt: skip
+            toks, p = sample_rows(
+                np.broadcast_to(rows[r], (len(u), rows.shape[1])),
+                [t] * len(u), [k] * len(u), [top_p] * len(u), [min_p] * len(u), u,
+                path=path, return_probs=True,
+            )  # fmt: skip
+            assert set(toks.tolist()) == want[r], (r, t, toks)
+            np.testing.assert_array_equal(p, np.broadcast_to(probs_want[r], p.shape))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_nan_is_minus_inf(path: str) -> None:
     """NaN logits behave exactly like -inf, for top-k too (both ranking directions)."""
     rng = np.random.default_rng(17)
