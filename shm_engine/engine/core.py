@@ -93,7 +93,9 @@ class EngineCore:
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        return self.scheduler.abort_requests(request_ids)
+        aborted = self.scheduler.abort_requests(request_ids)
+        self._forget_if_idle()
+        return aborted
 
     def ready_info(self) -> EngineReady:
         """What a client learns in the handshake: cache size, context length, vocabulary."""
@@ -119,11 +121,12 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self.runner.remove_requests(sched.finished_ids)
+        self._forget(sched.finished_ids)
         sampled = self._execute(sched) if not sched.empty else SampledTokens([])
         t2 = time.perf_counter()
         self.before_update()
         out = self.scheduler.update_from_output(sched, sampled)
+        self._forget_if_idle()
         self.sched_time += (t1 - t0) + (time.perf_counter() - t2)
         self.step_time += t2 - t1
         return out
@@ -140,11 +143,7 @@ class EngineCore:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             self.sched_time += time.perf_counter() - t0
-            if sched.finished_ids:
-                # NOTE: in the model thread, after the steps in flight: one of them may still
-                # sample for an aborted request, and would otherwise re-create its sampler state
-                # (leaked, or inherited by a new request reusing the id).
-                self._executor.submit(self.runner.remove_requests, sched.finished_ids)
+            self._forget(sched.finished_ids)
             if not sched.empty:
                 self.batch_queue.appendleft((self._executor.submit(self._execute, sched), sched))
                 if (
@@ -161,8 +160,30 @@ class EngineCore:
         t2 = time.perf_counter()
         self.before_update()
         out = self.scheduler.update_from_output(sched, sampled)
+        self._forget_if_idle()
         self.sched_time += time.perf_counter() - t2
         return out
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop the sampler state of requests that finished or were aborted.
+
+        NOTE: with a batch queue, in the model thread after the steps in flight: one of them may
+        still sample for an aborted request, and would otherwise re-create its state (leaked, or
+        inherited by a new request reusing the id).
+        """
+        if not request_ids:
+            return
+        if self._executor is None:
+            self.runner.remove_requests(request_ids)
+        else:
+            self._executor.submit(self.runner.remove_requests, request_ids)
+
+    def _forget_if_idle(self) -> None:
+        """Without requests left no schedule() comes to hand over the last finished ids (the
+        engine then waits for input): their sampler state, ~5 bytes a vocabulary entry with
+        penalties, would stay until the next request."""
+        if not self.scheduler.has_requests():
+            self._forget(self.scheduler.take_finished_ids())
 
     def _execute(self, sched: SchedulerOutput) -> SampledTokens:
         with self._error_dump(sched):

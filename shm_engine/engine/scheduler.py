@@ -161,9 +161,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
 
+    def take_finished_ids(self) -> list[str]:
+        """Requests finished or aborted since the last call (their per-request state can go)."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished_ids=self.take_finished_ids())
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
         preempted = False
@@ -208,7 +212,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.pop()
-            self.kv.count_prefix_lookup(req.num_tokens, num_cached)
+            self.kv.count_prefix_lookup(req, num_cached)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING

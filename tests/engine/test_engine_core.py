@@ -76,6 +76,38 @@ def test_an_abort_with_its_step_still_queued_leaves_no_sampler_state() -> None:
         core.shutdown()
 
 
+@pytest.mark.parametrize("batch_queue_size", [1, 2])
+def test_an_idle_engine_keeps_no_sampler_state(batch_queue_size: int) -> None:
+    # The last requests' states used to wait for the next schedule(), which an idle engine
+    # never runs (~5 bytes a vocabulary entry each with penalties).
+    core = make_core(batch_queue_size=batch_queue_size)
+    step = core.step if batch_queue_size == 1 else core.step_with_batch_queue
+    try:
+        core.add_request(request("a", [5, 6, 7], repetition_penalty=1.3))
+        core.add_request(request("b", [5, 6, 8], repetition_penalty=1.3))
+        for _ in range(3):
+            step()
+        assert core.runner.sampler_states
+        core.abort_requests(["a"])
+        while core.has_work():
+            step()
+        if core._executor is not None:
+            core._executor.submit(lambda: None).result()  # the model thread's queue is done
+        assert not core.runner.sampler_states
+    finally:
+        core.shutdown()
+
+
+def test_a_kv_budget_without_room_for_a_block_is_refused() -> None:
+    for bad in ({"kv_cache_bytes": 0}, {"kv_cache_bytes": -(1 << 30)}, {"num_kv_blocks": 0}):
+        with pytest.raises(ValueError, match="kv_cache_bytes|num_kv_blocks"):
+            EngineConfig(**bad)
+    cfg = EngineConfig(block_size=4, kv_cache_bytes=100, num_threads=1, dtype="float32")
+    loaded = types.SimpleNamespace(config=CONFIG, tokenizer=None)
+    with pytest.raises(ValueError, match="holds no block"):  # it used to allocate one anyway
+        ModelRunner(cfg, loaded, TorchLlama(CONFIG, WEIGHTS))
+
+
 def test_a_dummy_batch_never_runs_beside_a_step() -> None:
     # With a batch queue a step's forward runs on the model thread; a dummy forward from the
     # busy loop ran at the same time, over the same scratch buffers and kernel thread pool.
