@@ -81,10 +81,13 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+    def count_prefix_lookup(self, req: Request, num_hit: int) -> None:
         """Prefix-cache statistics, counted once per admission (a request that waits for free
-        blocks looks its prefix up again every step)."""
-        self.pool.queries += num_tokens
+        blocks looks its prefix up again every step). As vLLM's: no lookups without caching,
+        and none for a prompt-logprobs request (its prompt is computed, not read from cache)."""
+        if not self.enable_caching or req.prompt_logprobs is not None:
+            return
+        self.pool.queries += req.num_tokens
         self.pool.hits += num_hit
 
     def allocate(self, req: Request, num_new_tokens: int, prefix: list[KVBlock] = ()) -> bool:

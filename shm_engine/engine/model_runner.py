@@ -60,7 +60,12 @@ class ModelRunner:
         self.eos_token_ids = self.eos_token_ids or loaded.config.eos_token_ids
         self.block_size = config.block_size
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.model.kv_dtype)
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"a KV cache budget of {config.kv_cache_bytes} bytes holds no block: one block of "
+                f"{self.block_size} tokens takes {per_block} bytes for this model"
+            )
         # The RoPE table (and the model's training) end at max_position_embeddings: later
         # positions would come out wrong without an error. The int8 path runs a sliding-window
         # model exactly only within its window (Int8Llama.full_attention_limit).

@@ -66,41 +66,76 @@ def cmd_generate(args) -> int:
         print("give prompts as arguments or with --file", file=sys.stderr)
         return 2
     params = _params(args)
+    failed = 0
     with _build_llm(args) as llm:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             t0 = time.perf_counter()
-            n = 0
-            print(prompt, end="", flush=True)
-            for delta in llm.stream(prompt, params):
+            stream = llm.stream(prompt, params)
+            try:
+                first = next(stream, "")  # a prompt that cannot run fails here, before printing
+            except ValueError as e:  # this prompt only: the others still run
+                print(f"shm-engine generate: error: prompt {i + 1}: {e}", file=sys.stderr)
+                failed += 1
+                continue
+            print(prompt + first, end="", flush=True)
+            n = 1 if first else 0
+            for delta in stream:
                 print(delta, end="", flush=True)
                 n += 1
             dt = time.perf_counter() - t0
             print(f"\n[{n} chunks in {dt:.2f} s]", file=sys.stderr)
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_chat(args) -> int:
     params = _params(args)
     messages: list[dict[str, str]] = []
     with _build_llm(args) as llm:
-        tok = llm.get_tokenizer()
         while True:
             try:
                 line = input("> ")
             except EOFError:
                 print()
                 return 0
+            except KeyboardInterrupt:  # at the prompt: leave, without a traceback
+                print()
+                return 130
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            ids = tok.encode(text, add_special_tokens=False)
-            reply = ""
-            for delta in llm.stream({"prompt": text, "prompt_token_ids": ids}, params):
-                reply += delta
-                print(delta, end="", flush=True)
-            print()
-            messages.append({"role": "assistant", "content": reply})
+            reply = _chat_turn(llm, messages, params)
+            if reply is None:
+                messages.pop()
+            else:
+                messages.append({"role": "assistant", "content": reply})
+
+
+def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
+    """Stream one reply; Ctrl-C stops it (what was said is kept). None if the turn cannot run.
+
+    A conversation grown past the context starts over from its last message.
+    """
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    stream = llm.stream({"prompt": text, "prompt_token_ids": ids}, params)
+    reply = ""
+    try:
+        for delta in stream:  # a prompt that cannot run raises before the first delta
+            reply += delta
+            print(delta, end="", flush=True)
+    except ValueError as e:
+        if reply or len(messages) == 1:
+            print(f"error: {e}", file=sys.stderr)
+            return None
+        print("[the conversation no longer fits the context: starting over]", file=sys.stderr)
+        del messages[:-1]
+        return _chat_turn(llm, messages, params)
+    except KeyboardInterrupt:
+        stream.close()  # aborts the request in the engine
+        print(" [stopped]", end="")
+    print()
+    return reply
 
 
 def serve_config(args):
@@ -204,8 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shm_engine.engine.client import EngineDeadError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:  # a bad value or path: one line, as argparse's errors
+        print(f"shm-engine {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except EngineDeadError as e:
+        print(f"shm-engine {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

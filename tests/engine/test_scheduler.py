@@ -148,6 +148,23 @@ def test_prefix_cache_hits_are_counted_and_reused():
     assert (out.chunks[0].start, out.chunks[0].num_tokens) == (16, 4)
 
 
+def test_prefix_cache_counts_only_lookups_that_happen():
+    # As vLLM's: nothing without caching, nothing for prompt-logprobs requests (they compute
+    # their prompt), so the hit rate is not diluted by lookups that never ran.
+    prompt = list(range(1, 21))
+    off = make_scheduler(enable_prefix_caching=False)
+    for rid in "ab":
+        off.add_request(make_request(rid, prompt, max_tokens=1))
+        run_to_completion(off)
+    assert (off.kv.pool.queries, off.kv.pool.hits) == (0, 0)
+    on = make_scheduler()
+    on.add_request(make_request("a", prompt, max_tokens=1))
+    run_to_completion(on)
+    on.add_request(make_request("b", prompt, max_tokens=1, prompt_logprobs=1))
+    run_to_completion(on)
+    assert (on.kv.pool.queries, on.kv.pool.hits) == (20, 0)
+
+
 def test_cache_salt_isolates_prefixes():
     s = make_scheduler(block_size=4, budget=64)
     prompt = list(range(1, 21))

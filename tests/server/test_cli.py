@@ -1,0 +1,63 @@
+"""``shm-engine`` generate/chat/serve: ordinary mistakes get one line and an exit status, never a
+traceback; one bad prompt does not end the others; Ctrl-C in chat stops cleanly."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator
+
+import pytest
+
+from shm_engine.entrypoints import cli
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "hi", "--temperature", "-1"], "temperature must be in"),
+        (["generate", "hi", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["generate", "hi", "--kv-cache-mib", "0"], "kv_cache_bytes must be positive"),
+        (["generate", "hi", "--model", "/nonexistent"], "does not exist"),
+        (["chat", "--top-p", "2"], "top_p must be in"),
+        (["serve", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+    ],
+)
+def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shm-engine {argv[0]}: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _inputs(monkeypatch, lines: list[str | type[BaseException]]) -> None:
+    feed: Iterator = iter(lines)
+
+    def fake_input(prompt: str = "") -> str:
+        item = next(feed, EOFError)
+        if isinstance(item, type):
+            raise item
+        return item
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+
+
+@pytest.mark.slow
+def test_generate_reports_a_prompt_that_cannot_fit_and_runs_the_others(capsys) -> None:
+    too_long = "hello " * 9000  # past the 8192-token context
+    assert cli.main(["generate", too_long, "The capital of France is", "--max-tokens", "4"]) == 1
+    out, err = capsys.readouterr()
+    assert "shm-engine generate: error: prompt 1: " in err and "context length" in err
+    assert out.startswith("The capital of France is") and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_chat_starts_over_when_the_conversation_outgrows_the_context(monkeypatch, capsys) -> None:
+    # 2 MiB of fp16 cache: 5 blocks, an 80-token context. The long message fits alone, not
+    # after the first turn; an empty line is skipped; Ctrl-C at the prompt leaves with 130.
+    long_message = "Please tell me about " + "the sea and " * 12 + "the sky."
+    _inputs(monkeypatch, ["hi", "", long_message, KeyboardInterrupt])
+    rc = cli.main(["chat", "--kv-cache-mib", "2", "--max-tokens", "6"])
+    out, err = capsys.readouterr()
+    assert rc == 130 and "Traceback" not in err
+    assert "no longer fits the context: starting over" in err
+    assert out.count("\n") >= 3  # two replies and the line after Ctrl-C
