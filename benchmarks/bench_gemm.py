@@ -29,7 +29,7 @@ SHAPES = [
     ("lm_head", 49152, 576),
 ]
 MS = [1, 8, 32, 256]
-# "ours": the default weight (bf16 activations on AMX from 17 rows); "ours_int16": act_bf16=False,
+# "ours": the default weight (bf16 activations on AMX from 64 rows); "ours_int16": act_bf16=False,
 # the model's down projection (int16 activations everywhere; exact int8 tiles on AMX)
 IMPLS = ["ours", "ours_int16", "torch_fp32", "torch_int8_dyn"]
 

@@ -1,6 +1,6 @@
 """Rebuild native modules in place during development (pip install -e . does the same for users).
 
-Usage: python scripts/build_native.py [ring|kernels ...]   (default: every native/build_*.py)
+Usage: python scripts/build_native.py [ring|kernels|sampler ...] (default: every native/build_*.py)
 Each build script lives at native/build_<name>.py and defines ``ffibuilder``.
 """
 

@@ -3,7 +3,8 @@
 Every struct is ``array_like`` (no field names on the wire) and ``omit_defaults``. Per-step outputs
 are columnar (one list of ids, one flat token array) rather than one struct per request: decoding
 256 small structs costs several times more than a few flat columns, and this message is sent every
-step. Prompt token ids travel as an int32 numpy array, which the IPC codec moves as a raw aux frame.
+step. Prompt token ids travel as an int32 numpy array: packed inline in the msgpack body up to
+4 KiB (1024 tokens, the codec's ``inline_max``), as a raw aux frame beyond.
 """
 
 from __future__ import annotations

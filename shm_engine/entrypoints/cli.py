@@ -1,4 +1,4 @@
-"""``shm-engine`` command line: generate text with the embedded model, run benchmarks."""
+"""``shm-engine`` command line: generate, chat, serve (OpenAI-compatible HTTP), bench."""
 
 from __future__ import annotations
 

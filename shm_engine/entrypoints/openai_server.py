@@ -9,8 +9,8 @@ Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}
 invalid parameters, messages the chat template refuses and prompts that do not fit the context,
 404 for an unknown model or path, 405 for a wrong method, 503 when the engine is gone. No request
 error takes the server down. A client that disconnects has its request
-aborted in the engine: streaming responses are cancelled by Starlette's disconnect listener,
-non-streaming ones race the generation against ``http.disconnect``.
+aborted in the engine: streaming responses are cancelled by ``_SSEResponse``'s disconnect
+watcher, non-streaming ones race the generation against ``http.disconnect``.
 """
 
 from __future__ import annotations
@@ -731,7 +731,9 @@ async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
 
 
 def build_app(config: EngineConfig, served_model_name: str | None = None) -> HotRoutes:
-    """The ASGI app; the engine starts in its lifespan (after uvicorn binds) and stops with it.
+    """The ASGI app; the engine starts in its lifespan and stops with it.
+
+    Lifespan startup runs before uvicorn binds, so the port opens once the model is loaded.
 
     The FastAPI app serves everything but the two generation endpoints, which ``HotRoutes``
     answers in front of it with the same handlers (see hot_routes.py for why).

@@ -1,4 +1,6 @@
-"""The int8 Llama model on the native kernels: one native call per decoder layer.
+"""The int8 Llama model on the native kernels: one native call per step.
+
+The call covers the embedding, every layer, the final norm and the LM head.
 
 Weights are quantized to int8 with a scale per (output channel, 32 consecutive k) for the
 W8 x A16 GEMM (int16 activations per token) and packed once, at load, one tensor at a time from
