@@ -223,6 +223,9 @@ void shmk_write_kv_qkv(const float *qkv, const int64_t *slots, int64_t t, int64_
 
 typedef struct {
     int32_t b, hk, t0, t1;
+    /* a decode token split across tasks: its segment of DEC_SEG positions and the slot of its
+     * partial result (seg -1: the whole task in one) */
+    int32_t seg, part;
 } att_task;
 
 typedef struct {
@@ -234,7 +237,8 @@ typedef struct {
     float scale;
     float *out;
     const att_task *tasks;
-    int avx2; /* the SIMD driver (att_task_avx2); else portable */
+    float *parts; /* partial results of split decode tokens (part_floats each) */
+    int avx2;     /* the SIMD driver (att_task_avx2); else portable */
     int wide; /* inside it, the AVX-512 inner loops (d % 16 == 0) */
 } att_ctx;
 
@@ -565,13 +569,15 @@ AVX512_FN static void pv_accumulate_512(float *o, const float *p, const float *c
     }
 }
 
-/* Row r's scores s[0..len) -> exp(s - max) in place, zeros up to npos; returns their sum. */
-AVX2_FN static float softmax_row(float *s, int64_t len, int64_t npos) {
+/* Row r's scores s[0..len) -> exp(s - max) in place, zeros up to npos; returns their sum (and
+ * the max through max_out unless NULL). */
+AVX2_FN static float softmax_row(float *s, int64_t len, int64_t npos, float *max_out) {
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
     float m = hmax256(vmax);
     for (; i < len; i++) m = s[i] > m ? s[i] : m;
+    if (max_out) *max_out = m;
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (i = 0; i + 8 <= len; i += 8) {
@@ -588,13 +594,15 @@ AVX2_FN static float softmax_row(float *s, int64_t len, int64_t npos) {
 /* softmax_row on 16 lanes, for att_decode (AVX-512 machines only): the same exp per element
  * (exp512 is exp256 lane for lane), the sum in another order.  NOTE: 11 % of the decode
  * kernel's samples went to the 8-lane version (b16, 180 tokens of context, hot cache). */
-AVX512_FN static float softmax_row_512(float *s, int64_t len, int64_t npos) {
+AVX512_FN static float softmax_row_512(float *s, int64_t len, int64_t npos, float *max_out) {
     const int64_t full = len & ~(int64_t)15;
     const __mmask16 tail = (__mmask16)((1u << (len - full)) - 1u);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < full; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
     vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + full));
-    const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    const float m = _mm512_reduce_max_ps(vmax);
+    if (max_out) *max_out = m;
+    const __m512 vm = _mm512_set1_ps(m);
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t i = 0; i < full; i += 16) {
         const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
@@ -724,6 +732,76 @@ DEC_PV(1, I8)
 DEC_PV(2, I8)
 DEC_PV(3, I8)
 
+/* The same two inner loops on ymm for AVX2 machines.  NOTE: 16 ymm registers, not 32 zmm:
+ * scores take 4 positions at a time (NR x 4 accumulators, q read as the FMAs' memory
+ * operand), P.V 32 columns at a time (NR x 4 accumulators, the NR weights broadcast once per
+ * position).  Where att_task_avx2 widened each chunk into scratch and read it back per row,
+ * widening, its stores and the chunk streaming took ~40 % of b1 decode (perf, 6k context). */
+#define LOAD8_F16(p, i) \
+    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i))))
+#define LOAD8_I8(p, i) \
+    _mm256_cvtepi32_ps(   \
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)(p) + (i)))))
+
+/* lane j = the sum of a_j's 8 lanes */
+INLINE AVX2_FN __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+#define DEC2_SCORES(NR, T)                                                                     \
+    AVX2_FN static void dec2_scores8_##T##_##NR(const float *q, int64_t d,                      \
+                                                const void *const *kp, float scale, float *s,  \
+                                                int64_t sstride) {                             \
+        const __m128 vscale = _mm_set1_ps(scale);                                              \
+        for (int j0 = 0; j0 < 8; j0 += 4) {                                                    \
+            __m256 a[NR][4];                                                                   \
+            for (int r = 0; r < NR; r++)                                                       \
+                for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();                     \
+            for (int64_t i = 0; i < d; i += 8)                                                 \
+                for (int j = 0; j < 4; j++) {                                                  \
+                    const __m256 k = LOAD8_##T(kp[j0 + j], i);                                 \
+                    for (int r = 0; r < NR; r++)                                               \
+                        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i), k, a[r][j]); \
+                }                                                                              \
+            for (int r = 0; r < NR; r++)                                                       \
+                _mm_storeu_ps(s + r * sstride + j0,                                            \
+                              _mm_mul_ps(reduce4(a[r][0], a[r][1], a[r][2], a[r][3]), vscale)); \
+        }                                                                                      \
+    }
+DEC2_SCORES(1, F16)
+DEC2_SCORES(2, F16)
+DEC2_SCORES(3, F16)
+DEC2_SCORES(1, I8)
+DEC2_SCORES(2, I8)
+DEC2_SCORES(3, I8)
+
+#define DEC2_PV(NR, T)                                                                         \
+    AVX2_FN static void dec2_pv_##T##_##NR(float *o, int64_t d, int64_t col0, const float *p,   \
+                                           int64_t pstride, const void *const *vp, int n) {    \
+        for (int64_t c0 = col0; c0 < col0 + DEC_COLS; c0 += 32) {                              \
+            __m256 acc[NR][4];                                                                 \
+            for (int r = 0; r < NR; r++)                                                       \
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm256_loadu_ps(o + r * d + c0 + 8 * c); \
+            for (int j = 0; j < n; j++) {                                                      \
+                __m256 pr[NR];                                                                 \
+                for (int r = 0; r < NR; r++) pr[r] = _mm256_set1_ps(p[r * pstride + j]);      \
+                for (int c = 0; c < 4; c++) {                                                  \
+                    const __m256 v = LOAD8_##T(vp[j], c0 + 8 * c);                             \
+                    for (int r = 0; r < NR; r++) acc[r][c] = _mm256_fmadd_ps(pr[r], v, acc[r][c]); \
+                }                                                                              \
+            }                                                                                  \
+            for (int r = 0; r < NR; r++)                                                       \
+                for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + r * d + c0 + 8 * c, acc[r][c]); \
+        }                                                                                      \
+    }
+DEC2_PV(1, F16)
+DEC2_PV(2, F16)
+DEC2_PV(3, F16)
+DEC2_PV(1, I8)
+DEC2_PV(2, I8)
+DEC2_PV(3, I8)
+
 typedef void (*dec_scores_fn)(const float *, int64_t, const void *const *, float, float *,
                               int64_t);
 typedef void (*dec_pv_fn)(float *, int64_t, int64_t, const float *, int64_t, const void *const *,
@@ -738,10 +816,10 @@ typedef void (*dec_pv_fn)(float *, int64_t, int64_t, const float *, int64_t, con
  * with nothing computed meanwhile.  Small batches the same. */
 #define DEC_PF 4
 static inline void prefetch_stream_chunk(const shmk_kv_t *kv, const int32_t *bt_row, int64_t h,
-                                         int64_t s, int64_t nch, int64_t end) {
+                                         int64_t s, int64_t nch, int64_t p0, int64_t end) {
     if (s >= 2 * nch) return;
     const void *cache = s < nch ? kv->k : kv->v;
-    const int64_t c0 = (s < nch ? s : s - nch) * ATT_CHUNK;
+    const int64_t c0 = p0 + (s < nch ? s : s - nch) * ATT_CHUNK;
     const int cn = end - c0 < ATT_CHUNK ? (int)(end - c0) : ATT_CHUNK;
     const int64_t row_bytes = kv->d * (int64_t)kv_esize(kv);
     const void *rows[ATT_CHUNK];
@@ -758,63 +836,75 @@ static inline void prefetch_stream_chunk(const shmk_kv_t *kv, const int32_t *bt_
     }
 }
 
-AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk) {
-    static const dec_scores_fn scores_by_type[2][DEC_ROWS + 1] = {
-        {NULL, dec_scores8_F16_1, dec_scores8_F16_2, dec_scores8_F16_3},
-        {NULL, dec_scores8_I8_1, dec_scores8_I8_2, dec_scores8_I8_3}};
-    static const dec_pv_fn pv_by_type[2][DEC_ROWS + 1] = {
-        {NULL, dec_pv_F16_1, dec_pv_F16_2, dec_pv_F16_3},
-        {NULL, dec_pv_I8_1, dec_pv_I8_2, dec_pv_I8_3}};
+/* Decode positions [p0, p1) (p0 a multiple of ATT_CHUNK) for one token and kv head: the
+ * normalised output rows when part is NULL, else the segment's partial result there. */
+AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk, int64_t p0, int64_t p1,
+                               float *part) {
+    /* [zmm (AVX-512) or ymm][fp16 or int8][rows] */
+    static const dec_scores_fn scores_by_type[2][2][DEC_ROWS + 1] = {
+        {{NULL, dec2_scores8_F16_1, dec2_scores8_F16_2, dec2_scores8_F16_3},
+         {NULL, dec2_scores8_I8_1, dec2_scores8_I8_2, dec2_scores8_I8_3}},
+        {{NULL, dec_scores8_F16_1, dec_scores8_F16_2, dec_scores8_F16_3},
+         {NULL, dec_scores8_I8_1, dec_scores8_I8_2, dec_scores8_I8_3}}};
+    static const dec_pv_fn pv_by_type[2][2][DEC_ROWS + 1] = {
+        {{NULL, dec2_pv_F16_1, dec2_pv_F16_2, dec2_pv_F16_3},
+         {NULL, dec2_pv_I8_1, dec2_pv_I8_2, dec2_pv_I8_3}},
+        {{NULL, dec_pv_F16_1, dec_pv_F16_2, dec_pv_F16_3},
+         {NULL, dec_pv_I8_1, dec_pv_I8_2, dec_pv_I8_3}}};
     const shmk_kv_t *kv = c->kv;
     const int i8 = kv->dtype == 2;
-    const dec_scores_fn *scores = scores_by_type[i8];
-    const dec_pv_fn *pv = pv_by_type[i8];
+    const dec_scores_fn *scores = scores_by_type[c->wide][i8];
+    const dec_pv_fn *pv = pv_by_type[c->wide][i8];
+    float (*const softmax)(float *, int64_t, int64_t, float *) =
+        c->wide ? softmax_row_512 : softmax_row;
     const int64_t G = c->hq / kv->hk, h = tk->hk, d = kv->d;
-    const int64_t kv_end = ctx_len(c, tk->b) + tk->t1; /* the token sees every cached position */
-    const int64_t npos = shmk_cdiv(kv_end, ATT_CHUNK) * ATT_CHUNK;
+    const int64_t len = p1 - p0;
+    const int64_t npos = shmk_cdiv(len, ATT_CHUNK) * ATT_CHUNK;
     const float *q = c->q + (c->qsl[tk->b] + tk->t0) * c->q_stride + h * G * d;
-    float *S = shmk_scratch(3, (size_t)(G * (npos + d + 1 + ATT_CHUNK)) * sizeof(float));
-    float *O = S + G * npos, *inv_sum = O + G * d, *Pv = inv_sum + G;
+    float *S = shmk_scratch(3, (size_t)(G * (npos + d + 2 + ATT_CHUNK)) * sizeof(float));
+    float *O = S + G * npos, *sum = O + G * d, *max = sum + G, *Pv = max + G;
     const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
     const void *rows[ATT_CHUNK];
-    const int64_t nch = shmk_cdiv(kv_end, ATT_CHUNK);
-    for (int64_t s = 0; s < DEC_PF; s++) prefetch_stream_chunk(kv, bt_row, h, s, nch, kv_end);
-    /* pass 1: scores (lanes past kv_end are overwritten by softmax_row) */
-    for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
-        prefetch_stream_chunk(kv, bt_row, h, c0 / ATT_CHUNK + DEC_PF, nch, kv_end);
-        chunk_rows(kv, kv->k, bt_row, h, c0, kv_end, rows);
+    const int64_t nch = shmk_cdiv(len, ATT_CHUNK);
+    for (int64_t s = 0; s < DEC_PF; s++) prefetch_stream_chunk(kv, bt_row, h, s, nch, p0, p1);
+    /* pass 1: scores (lanes past p1 are overwritten by softmax_row) */
+    for (int64_t c0 = p0; c0 < p1; c0 += ATT_CHUNK) {
+        const int64_t at = c0 - p0; /* this chunk's column in S */
+        prefetch_stream_chunk(kv, bt_row, h, at / ATT_CHUNK + DEC_PF, nch, p0, p1);
+        chunk_rows(kv, kv->k, bt_row, h, c0, p1, rows);
         for (int64_t r0 = 0; r0 < G; r0 += DEC_ROWS) {
             const int nr = dec_rows(G, r0);
-            scores[nr](q + r0 * d, d, rows, c->scale, S + r0 * npos + c0, npos);
-            if (kv_end - c0 > 8)
-                scores[nr](q + r0 * d, d, rows + 8, c->scale, S + r0 * npos + c0 + 8, npos);
+            scores[nr](q + r0 * d, d, rows, c->scale, S + r0 * npos + at, npos);
+            if (p1 - c0 > 8)
+                scores[nr](q + r0 * d, d, rows + 8, c->scale, S + r0 * npos + at + 8, npos);
         }
         if (i8) {
             float ks[ATT_CHUNK];
-            chunk_scales(kv, kv->k, bt_row, h, c0, kv_end, ks);
+            chunk_scales(kv, kv->k, bt_row, h, c0, p1, ks);
             const __m256 k0 = _mm256_loadu_ps(ks), k1 = _mm256_loadu_ps(ks + 8);
             for (int64_t r = 0; r < G; r++) {
-                float *sr = S + r * npos + c0;
+                float *sr = S + r * npos + at;
                 _mm256_storeu_ps(sr, _mm256_mul_ps(_mm256_loadu_ps(sr), k0));
                 _mm256_storeu_ps(sr + 8, _mm256_mul_ps(_mm256_loadu_ps(sr + 8), k1));
             }
         }
     }
-    for (int64_t r = 0; r < G; r++) inv_sum[r] = 1.f / softmax_row_512(S + r * npos, kv_end, npos);
+    for (int64_t r = 0; r < G; r++) sum[r] = softmax(S + r * npos, len, npos, max + r);
     memset(O, 0, (size_t)(G * d) * sizeof(float));
     /* pass 2: O = P.V */
-    for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
-        prefetch_stream_chunk(kv, bt_row, h, nch + c0 / ATT_CHUNK + DEC_PF, nch, kv_end);
-        chunk_rows(kv, kv->v, bt_row, h, c0, kv_end, rows);
-        const int n = kv_end - c0 < ATT_CHUNK ? (int)(kv_end - c0) : ATT_CHUNK;
-        const float *P = S + c0; /* row r's weights at P + r * pstride */
+    for (int64_t c0 = p0; c0 < p1; c0 += ATT_CHUNK) {
+        const int64_t at = c0 - p0;
+        prefetch_stream_chunk(kv, bt_row, h, nch + at / ATT_CHUNK + DEC_PF, nch, p0, p1);
+        chunk_rows(kv, kv->v, bt_row, h, c0, p1, rows);
+        const int n = p1 - c0 < ATT_CHUNK ? (int)(p1 - c0) : ATT_CHUNK;
+        const float *P = S + at; /* row r's weights at P + r * pstride */
         int64_t pstride = npos;
         if (i8) { /* p_j s_j into Pv, the chunk's weights only */
             float vs[ATT_CHUNK];
-            chunk_scales(kv, kv->v, bt_row, h, c0, kv_end, vs);
+            chunk_scales(kv, kv->v, bt_row, h, c0, p1, vs);
             const __m256 v0 = _mm256_loadu_ps(vs), v1 = _mm256_loadu_ps(vs + 8);
             for (int64_t r = 0; r < G; r++) {
-                const float *sr = S + r * npos + c0;
+                const float *sr = S + r * npos + at;
                 float *pr = Pv + r * ATT_CHUNK;
                 _mm256_storeu_ps(pr, _mm256_mul_ps(_mm256_loadu_ps(sr), v0));
                 _mm256_storeu_ps(pr + 8, _mm256_mul_ps(_mm256_loadu_ps(sr + 8), v1));
@@ -827,8 +917,77 @@ AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk) {
                 pv[nr](O + r0 * d, d, col0, P + r0 * pstride, pstride, rows, n);
         }
     }
+    if (part != NULL) {
+        memcpy(part, O, (size_t)(G * d) * sizeof(float));
+        memcpy(part + G * d, max, (size_t)G * sizeof(float));
+        memcpy(part + G * d + G, sum, (size_t)G * sizeof(float));
+        return;
+    }
     float *out = c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + h * G) * d;
-    for (int64_t r = 0; r < G; r++) store_scaled(out + r * d, O + r * d, inv_sum[r], d);
+    for (int64_t r = 0; r < G; r++) store_scaled(out + r * d, O + r * d, 1.f / sum[r], d);
+}
+
+/* ------------------------------------------------------------------ long decode contexts
+ * A decode token's context is taken in segments of DEC_SEG positions past DEC_SEG, each a
+ * partial softmax (its max m_s, exp-sum l_s and unnormalised P.V O_s), combined as
+ * O = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s.  NOTE: always at the same boundaries, so
+ * a token's result does not depend on the batch it is in or on the thread count (the model's
+ * greedy output stays batch-invariant); in batches of few tasks each segment is a task of its
+ * own, combined after the parallel call: at batch 1 the kv heads alone (3 for SmolLM2) left a
+ * thread of two with half the work of the other. */
+#define DEC_SEG 512
+
+/* caches att_decode reads in place (fp16, int8) with head_dim a multiple of its column block */
+static inline int decode_kernel(const shmk_kv_t *kv) {
+    return kv->dtype >= 1 && kv->d % DEC_COLS == 0;
+}
+
+static inline int64_t part_floats(int64_t G, int64_t d) { return G * (d + 2); }
+
+/* out rows [G][d] = the nseg partial results at parts combined */
+static void combine_parts(const float *parts, int64_t nseg, int64_t G, int64_t d, float *out) {
+    const int64_t pf = part_floats(G, d);
+    for (int64_t r = 0; r < G; r++) {
+        float M = -INFINITY, L = 0.f;
+        for (int64_t s = 0; s < nseg; s++) {
+            const float m = parts[s * pf + G * d + r];
+            M = m > M ? m : M;
+        }
+        float *o = out + r * d;
+        for (int64_t j = 0; j < d; j++) o[j] = 0.f;
+        for (int64_t s = 0; s < nseg; s++) {
+            const float *p = parts + s * pf;
+            const float w = expf(p[G * d + r] - M);
+            L += w * p[G * d + G + r];
+            for (int64_t j = 0; j < d; j++) o[j] += w * p[r * d + j];
+        }
+        const float inv = 1.f / L;
+        for (int64_t j = 0; j < d; j++) o[j] *= inv;
+    }
+}
+
+/* A decode token's kv head: one segment of a split token, or its whole context */
+AVX2_FN static void att_decode_task(const att_ctx *c, const att_task *tk) {
+    const int64_t G = c->hq / c->kv->hk, d = c->kv->d;
+    const int64_t kv_end = ctx_len(c, tk->b) + tk->t1; /* the token sees every cached position */
+    if (tk->seg >= 0) {
+        const int64_t p0 = (int64_t)tk->seg * DEC_SEG;
+        const int64_t p1 = p0 + DEC_SEG < kv_end ? p0 + DEC_SEG : kv_end;
+        att_decode(c, tk, p0, p1, c->parts + tk->part * part_floats(G, d));
+        return;
+    }
+    if (kv_end <= DEC_SEG) {
+        att_decode(c, tk, 0, kv_end, NULL);
+        return;
+    }
+    const int64_t nseg = shmk_cdiv(kv_end, DEC_SEG);
+    float *parts = shmk_scratch(6, (size_t)(nseg * part_floats(G, d)) * sizeof(float));
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t p1 = (s + 1) * DEC_SEG < kv_end ? (s + 1) * DEC_SEG : kv_end;
+        att_decode(c, tk, s * DEC_SEG, p1, parts + s * part_floats(G, d));
+    }
+    combine_parts(parts, nseg, G, d,
+                  c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + tk->hk * G) * d);
 }
 
 /* Exact (two-pass) softmax per task: scores of every query row of the task against every kv
@@ -836,8 +995,8 @@ AVX2_FN static void att_decode(const att_ctx *c, const att_task *tk) {
  * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling. */
 AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int prefetch) {
     const shmk_kv_t *kv = c->kv;
-    if (c->wide && kv->dtype >= 1 && kv->d % DEC_COLS == 0 && tk->t1 - tk->t0 == 1) {
-        att_decode(c, tk);
+    if (decode_kernel(c->kv) && tk->t1 - tk->t0 == 1) {
+        att_decode_task(c, tk);
         return;
     }
     const int64_t d = kv->d, G = c->hq / kv->hk;
@@ -875,7 +1034,7 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
     /* pass 2: softmax (normalised at the end, in the output store) */
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t len = ctx0 + tk->t0 + r / G + 1;
-        inv_sum[r] = 1.f / softmax_row(S + r * npos, len, npos);
+        inv_sum[r] = 1.f / softmax_row(S + r * npos, len, npos, NULL);
     }
     memset(O, 0, (size_t)(nrows * d) * sizeof(float));
     /* pass 3: O = P.V */
@@ -1039,6 +1198,10 @@ static void att_task_fn(void *vctx, int64_t task, int tid) {
     const att_ctx *c = vctx;
     const att_task *tk = &c->tasks[task];
     const int64_t G = c->hq / c->kv->hk;
+    if (tk->seg >= 0) { /* a segment of a split decode token */
+        att_decode_task(c, tk);
+        return;
+    }
     /* lanes are rows: worth it from 16 rows (prefill tiles), not for decode's G rows */
     const int rows = c->wide && (tk->t1 - tk->t0) * G >= 16 && G <= ATT_ROWS_MAX_G;
     if (rows && c->kv->d == 64)
@@ -1047,7 +1210,7 @@ static void att_task_fn(void *vctx, int64_t task, int tid) {
         att_rows_d128(c, tk);
     else if (c->avx2 && tk->hk < 0) { /* a decode token's every kv head (see the task list) */
         for (int32_t h = 0; h < c->kv->hk; h++) {
-            const att_task one = {tk->b, h, tk->t0, tk->t1};
+            const att_task one = {tk->b, h, tk->t0, tk->t1, -1, 0};
             att_task_avx2(c, &one, 1);
         }
     } else if (c->avx2)
@@ -1106,33 +1269,72 @@ void shmk_attention_impl(const float *q, int64_t q_stride, const shmk_kv_t *kv,
     }
     const int avx2 = shmk_path() >= SHMK_AVX2 && kv->d % 8 == 0;
     if (!avx2 && kv->d > 1024) return; /* the portable path keeps o[] on the stack */
-    int64_t ntasks = 0;
-    for (int64_t s = 0; s < b; s++) ntasks += shmk_cdiv(qsl[s + 1] - qsl[s], ATT_QTILE) * kv->hk;
-    att_task *tasks = shmk_scratch(4, (size_t)ntasks * sizeof(att_task));
-    int64_t n = 0;
-    const int whole_decode = avx2 && hq / kv->hk < 16 && b >= 2 * shmk_threads();
-    /* longest (most causal work) tiles first so dynamic scheduling balances the tail */
-    for (int64_t s = 0; s < b; s++) {
-        for (int64_t t1 = qsl[s + 1] - qsl[s]; t1 > 0; t1 -= ATT_QTILE) {
-            const int64_t t0 = t1 - ATT_QTILE > 0 ? t1 - ATT_QTILE : 0;
-            /* NOTE: in a batch of several sequences, a decode token (not an att_rows tile) is
-             * one task for all its kv heads: hk times fewer tasks, each reading adjacent head
-             * slabs of the same blocks (b16 decode at 256 tokens of context 553-575 -> 587-596
-             * tok/s, b32 at 128 +1-3%, alternated builds; with att_decode's rolling prefetch,
-             * a task a head still cost b16 -3 % and b32 -5-7 %).  Small batches keep a task a
-             * head so every thread gets work. */
-            if (whole_decode && t1 - t0 == 1) {
-                tasks[n++] = (att_task){(int32_t)s, -1, (int32_t)t0, (int32_t)t1};
-                continue;
-            }
-            for (int64_t h = 0; h < kv->hk; h++)
-                tasks[n++] = (att_task){(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1};
-        }
-    }
+    const int64_t G = hq / kv->hk;
     const int wide = avx2 && shmk_path() >= SHMK_VNNI && kv->d % 16 == 0;
-    att_ctx c = {q,     q_stride, kv,  block_table, seq_lens, qsl, max_blocks,
-                 hq,    scale,    out, tasks,       avx2,     wide};
-    shmk_parallel(att_task_fn, &c, n);
+    const int whole_decode = avx2 && G < 16 && b >= 2 * shmk_threads();
+    /* small batches: a long decode token's segments are tasks of their own (see DEC_SEG); only
+     * where att_task_fn would reach att_decode_task (not att_rows' >= 16 rows) */
+    const int split = avx2 && decode_kernel(kv) && !(wide && G >= 16) && !whole_decode;
+    /* pass 0 counts, pass 1 fills: tasks, then the split tokens (groups), then their parts */
+    int64_t ntasks = 0, ngroups = 0, nparts = 0;
+    att_task *tasks = NULL, *groups = NULL;
+    float *parts = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            const size_t tbytes = (size_t)(ntasks + ngroups) * sizeof(att_task);
+            const size_t toff = (tbytes + 63) & ~(size_t)63;
+            char *mem = shmk_scratch(
+                4, toff + (size_t)(nparts * part_floats(G, kv->d)) * sizeof(float));
+            tasks = (att_task *)mem, groups = tasks + ntasks, parts = (float *)(mem + toff);
+        }
+        int64_t n = 0, ng = 0, np = 0;
+        /* longest (most causal work) tiles first so dynamic scheduling balances the tail */
+        for (int64_t s = 0; s < b; s++) {
+            const int64_t q_len = qsl[s + 1] - qsl[s];
+            for (int64_t t1 = q_len; t1 > 0; t1 -= ATT_QTILE) {
+                const int64_t t0 = t1 - ATT_QTILE > 0 ? t1 - ATT_QTILE : 0;
+                /* NOTE: in a batch of several sequences, a decode token (not an att_rows tile)
+                 * is one task for all its kv heads: hk times fewer tasks, each reading
+                 * adjacent head slabs of the same blocks (b16 decode at 256 tokens of context
+                 * 553-575 -> 587-596 tok/s, b32 at 128 +1-3%, alternated builds; with
+                 * att_decode's rolling prefetch, a task a head still cost b16 -3 % and b32
+                 * -5-7 %).  Small batches keep a task a head so every thread gets work. */
+                if (whole_decode && t1 - t0 == 1) {
+                    if (pass) tasks[n] = (att_task){(int32_t)s, -1, (int32_t)t0, (int32_t)t1, -1, 0};
+                    n++;
+                    continue;
+                }
+                const int64_t kv_end = seq_lens[s] - q_len + t1;
+                const int64_t nseg =
+                    split && t1 - t0 == 1 && kv_end > DEC_SEG ? shmk_cdiv(kv_end, DEC_SEG) : 0;
+                for (int64_t h = 0; h < kv->hk; h++) {
+                    if (!nseg) {
+                        if (pass) tasks[n] = (att_task){(int32_t)s, (int32_t)h, (int32_t)t0,
+                                                        (int32_t)t1, -1, 0};
+                        n++;
+                        continue;
+                    }
+                    if (pass) groups[ng] = (att_task){(int32_t)s, (int32_t)h, (int32_t)t0,
+                                                      (int32_t)t1, (int32_t)nseg, (int32_t)np};
+                    ng++;
+                    for (int64_t g = 0; g < nseg; g++, n++, np++)
+                        if (pass) tasks[n] = (att_task){(int32_t)s, (int32_t)h, (int32_t)t0,
+                                                        (int32_t)t1, (int32_t)g, (int32_t)np};
+                }
+            }
+        }
+        ntasks = n, ngroups = ng, nparts = np;
+    }
+    att_ctx c = {q,     q_stride, kv,  block_table, seq_lens, qsl,  max_blocks,
+                 hq,    scale,    out, tasks,       parts,    avx2, wide};
+    shmk_parallel(att_task_fn, &c, ntasks);
+    /* the split tokens' segments, combined (a few rows: batches of under 2 x threads) */
+    const int64_t pf = part_floats(G, kv->d);
+    for (int64_t i = 0; i < ngroups; i++) {
+        const att_task *g = &groups[i];
+        combine_parts(parts + g->part * pf, g->seg, G, kv->d,
+                      out + ((qsl[g->b] + g->t0) * hq + g->hk * G) * kv->d);
+    }
 }
 
 void shmk_paged_attention(const float *q, const shmk_kv_t *kv, const int32_t *block_table,

@@ -264,6 +264,46 @@ def test_paged_attention_vs_sdpa(path, dtype, seqs, hq, hk, d, bs):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+# Decode contexts past one 512-position segment (DEC_SEG in attention.c): 513 (a one-position
+# last segment), 1030, 1600; alone (segments as tasks), two (likewise) and eight (a task a token).
+LONG_DECODE = [[(1600, 1)], [(513, 1), (1030, 1)], [(1030, 1), (40, 1)] * 4]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", KV_DTYPES[1:])
+@pytest.mark.parametrize("seqs", LONG_DECODE)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_decode_contexts_vs_sdpa(path, dtype, seqs, threads):
+    K.set_path(path)
+    K.set_num_threads(threads)
+    q, kc, vc, meta, ks, vs = make_batch(seqs, 9, 3, 64, 16, seed=len(seqs), dtype=dtype)
+    out = K.paged_attention(q, kc, vc, scale=0.125, **meta)
+    torch.testing.assert_close(
+        out, ref_attention(q, ks, vs, seqs, 9, 3, 0.125), rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES[1:])
+def test_a_decode_token_is_computed_alike_in_any_batch_and_thread_count(dtype):
+    """Long contexts are split at fixed positions, so a token's result is bit-identical alone,
+    beside other tokens (each split into tasks), in a batch big enough for a task a token, and
+    on any thread count: greedy decoding stays batch-invariant."""
+    seqs = [(1600, 1)] + [(700 + 37 * i, 1) for i in range(7)]
+    q, kc, vc, meta, _, _ = make_batch(seqs, 9, 3, 64, 16, seed=5, dtype=dtype)
+    results = []
+    for threads in (1, 2, 3):
+        K.set_num_threads(threads)
+        for b in (1, 2, 8):  # the first token with b - 1 others
+            sub = {
+                "block_table": meta["block_table"][:b],
+                "seq_lens": meta["seq_lens"][:b],
+                "query_start_loc": meta["query_start_loc"][: b + 1],
+            }
+            results.append(K.paged_attention(q[:b], kc, vc, scale=0.125, **sub)[0])
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 def test_attention_threads_identical_and_paths_close(dtype):
     q, kc, vc, meta, ks, vs = make_batch(MIXED, 9, 3, 64, 16, seed=3, dtype=dtype)
