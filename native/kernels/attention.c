@@ -944,6 +944,11 @@ static inline int decode_kernel(const shmk_kv_t *kv) {
 
 static inline int64_t part_floats(int64_t G, int64_t d) { return G * (d + 2); }
 
+/* the end of segment s of a context of kv_end positions */
+static inline int64_t seg_end(int64_t s, int64_t kv_end) {
+    return (s + 1) * DEC_SEG < kv_end ? (s + 1) * DEC_SEG : kv_end;
+}
+
 /* out rows [G][d] = the nseg partial results at parts combined */
 static void combine_parts(const float *parts, int64_t nseg, int64_t G, int64_t d, float *out) {
     const int64_t pf = part_floats(G, d);
@@ -971,9 +976,8 @@ AVX2_FN static void att_decode_task(const att_ctx *c, const att_task *tk) {
     const int64_t G = c->hq / c->kv->hk, d = c->kv->d;
     const int64_t kv_end = ctx_len(c, tk->b) + tk->t1; /* the token sees every cached position */
     if (tk->seg >= 0) {
-        const int64_t p0 = (int64_t)tk->seg * DEC_SEG;
-        const int64_t p1 = p0 + DEC_SEG < kv_end ? p0 + DEC_SEG : kv_end;
-        att_decode(c, tk, p0, p1, c->parts + tk->part * part_floats(G, d));
+        att_decode(c, tk, (int64_t)tk->seg * DEC_SEG, seg_end(tk->seg, kv_end),
+                   c->parts + tk->part * part_floats(G, d));
         return;
     }
     if (kv_end <= DEC_SEG) {
@@ -982,10 +986,8 @@ AVX2_FN static void att_decode_task(const att_ctx *c, const att_task *tk) {
     }
     const int64_t nseg = shmk_cdiv(kv_end, DEC_SEG);
     float *parts = shmk_scratch(6, (size_t)(nseg * part_floats(G, d)) * sizeof(float));
-    for (int64_t s = 0; s < nseg; s++) {
-        const int64_t p1 = (s + 1) * DEC_SEG < kv_end ? (s + 1) * DEC_SEG : kv_end;
-        att_decode(c, tk, s * DEC_SEG, p1, parts + s * part_floats(G, d));
-    }
+    for (int64_t s = 0; s < nseg; s++)
+        att_decode(c, tk, s * DEC_SEG, seg_end(s, kv_end), parts + s * part_floats(G, d));
     combine_parts(parts, nseg, G, d,
                   c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + tk->hk * G) * d);
 }

@@ -34,6 +34,18 @@ class PromptTooLongError(ValueError):
     """The prompt (plus at least one generated token) does not fit the model's context."""
 
 
+def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+    """Refuse an empty prompt, or one that leaves no room for a generated token (frontends
+    check this before an engine round trip)."""
+    if num_tokens == 0:
+        raise ValueError("the prompt is empty")
+    if num_tokens >= max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens, "
+            f"but the prompt has {num_tokens} tokens (at least one token must be generated)."
+        )
+
+
 class _Stream:
     """Newest output of one request plus a wake-up for its consumer."""
 
@@ -155,13 +167,7 @@ class AsyncLLM:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject a prompt that cannot fit before it costs an engine round trip."""
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens, "
-                f"but the prompt has {n} tokens (at least one token must be generated)."
-            )
+        check_prompt_fits(n, self.max_model_len)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens; "

@@ -20,6 +20,7 @@ from shm_engine.engine.client import EngineDeadError, InprocClient, SyncMPClient
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest
+from shm_engine.entrypoints.async_engine import check_prompt_fits
 from shm_engine.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": ...}
@@ -151,14 +152,7 @@ class LLM:
                 if text is None:
                     raise ValueError("a prompt needs 'prompt' or 'prompt_token_ids'")
                 token_ids = self.tokenizer.encode(text)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        limit = self.client.ready.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; this model's context length is {limit}"
-                " (including at least one output token)"
-            )
+        check_prompt_fits(len(token_ids), self.client.ready.max_model_len)
         return text, list(token_ids)
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
