@@ -105,7 +105,7 @@ class ModelConfig:
         elif kind == "linear":
             inv = inv / float(scaling["factor"])
         elif kind == "llama3":
-            inv = _llama3_scale(inv, scaling)
+            inv = _llama3_scale(inv, scaling, self.max_position_embeddings)
         else:
             raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
         return inv.to(torch.float32)
@@ -128,13 +128,15 @@ class ModelConfig:
         sliding = _hf_sliding_window(cfg, arch, num_layers)
         theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")
-        if isinstance(params, dict) and "rope_theta" in params:
-            # NOTE: transformers v5 moved both into rope_parameters; reading only the old keys
-            # ran such a model with theta 1e4 and no scaling, silently.
-            theta = params["rope_theta"]
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        elif params:
+        if params and any(isinstance(v, Mapping) for v in params.values()):
+            # Keyed by layer type ({"full_attention": {...}, "sliding_attention": {...}}).
             raise NotImplementedError("per-layer-type rope_parameters are not supported")
+        if params:
+            # NOTE: transformers v5 moved both into rope_parameters; reading only the old keys
+            # ran such a model with theta 1e4 and no scaling, silently. A theta left at the top
+            # level still counts, as in transformers.
+            theta = params.get("rope_theta", theta)
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -275,13 +277,21 @@ def _opt_int(v: Any) -> int | None:
     return None if v is None else int(v)
 
 
-def _llama3_scale(inv: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
+def _llama3_scale(inv: torch.Tensor, s: Mapping[str, Any], max_positions: int) -> torch.Tensor:
     """Llama 3.1 frequency-dependent scaling: long wavelengths divided by `factor`, short ones
-    untouched, a linear blend in between (same formula as the reference implementation)."""
-    factor = float(s["factor"])
-    low = float(s.get("low_freq_factor", 1.0))
-    high = float(s.get("high_freq_factor", 4.0))
-    old_ctx = float(s.get("original_max_position_embeddings", 8192))
+    untouched, a linear blend in between (same formula as the reference implementation).
+
+    As in transformers, the original context defaults to `max_positions` (guessing Llama 3's
+    8192 gave other models different frequencies, silently) and the factors have no default."""
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in s]
+    if missing:
+        raise ValueError(f"llama3 rope scaling needs {', '.join(missing)}")
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
+    old_ctx = float(s.get("original_max_position_embeddings", max_positions))
     low_wavelen = old_ctx / low
     high_wavelen = old_ctx / high
     wavelen = 2 * math.pi / inv

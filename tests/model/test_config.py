@@ -172,6 +172,38 @@ def test_transformers_v5_rope_parameters_are_read() -> None:
         ModelConfig.from_hf_config(yarn).inv_freq()
 
 
+def test_rope_parameters_may_leave_theta_at_the_top_level() -> None:
+    # transformers reads such a config as linear scaling with the top-level theta.
+    cfg = dict(
+        LLAMA_UNTIED_CONFIG, rope_theta=5e4, rope_parameters={"rope_type": "linear", "factor": 2.0}
+    )
+    del cfg["rope_scaling"]
+    c = ModelConfig.from_hf_config(cfg)
+    assert (c.rope_theta, c.rope_scaling) == (5e4, {"rope_type": "linear", "factor": 2.0})
+    per_layer = dict(cfg, rope_parameters={"full_attention": {"rope_theta": 1e4}})
+    with pytest.raises(NotImplementedError, match="per-layer"):
+        ModelConfig.from_hf_config(per_layer)
+
+
+def test_llama3_scaling_defaults_its_original_context_to_max_positions() -> None:
+    # transformers takes max_position_embeddings when original_max_position_embeddings is
+    # missing; Llama 3's 8192 had given a 256-position model other frequencies.
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+    c = ModelConfig.from_hf_config(
+        dict(LLAMA_UNTIED_CONFIG, rope_scaling=scaling, max_position_embeddings=256)
+    )
+    given = c.replace(rope_scaling={**scaling, "original_max_position_embeddings": 256})
+    torch.testing.assert_close(c.inv_freq(), given.inv_freq(), rtol=0, atol=0)
+    assert not torch.equal(c.inv_freq(), c.replace(max_position_embeddings=8192).inv_freq())
+    with pytest.raises(ValueError, match="low_freq_factor, high_freq_factor"):
+        c.replace(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+
+
 def test_gguf_rope_scaling_reads_as_llama_cpp_does() -> None:
     # No type means linear; the factor may sit under the old key rope.scale_linear.
     for extra in ({"qwen2.rope.scaling.factor": 4.0}, {"qwen2.rope.scale_linear": 4.0}):
