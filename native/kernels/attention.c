@@ -342,8 +342,9 @@ typedef struct {
     const void *cache;
     const int32_t *bt_row;
     int64_t h, end;
-    float *f32; /* [ATT_CHUNK][d] widened rows when the cache is fp16 */
+    float *f32; /* [ATT_CHUNK][d] widened rows when the cache is fp16 or int8 */
     int wide;   /* widen with AVX-512 */
+    float scales[ATT_CHUNK]; /* int8: the chunk's row scales, which the caller applies */
 } chunk_stream;
 
 /* Prefetches (to L1) the chunk ATT_PF ahead of the one at c0, and on the first call the ones
@@ -367,12 +368,11 @@ AVX2_FN static void widen_f16(float *dst, const uint16_t *src, int64_t d) {
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 }
 
-/* dst = scale * src, one int8 row */
-AVX2_FN static void widen_i8(float *dst, const int8_t *src, float scale, int64_t d) {
-    const __m256 s = _mm256_set1_ps(scale);
+/* dst = src, one int8 row as stored (its scale not applied) */
+AVX2_FN static void widen_i8(float *dst, const int8_t *src, int64_t d) {
     for (int64_t i = 0; i < d; i += 8) {
         const __m128i b = _mm_loadl_epi64((const __m128i *)(src + i));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+        _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
     }
 }
 
@@ -397,7 +397,10 @@ AVX512_FN static void widen_i8_512(float *dst, const int8_t *src, float scale, i
 }
 
 /* fp32 row pointers (into rows_out) of the chunk at c0; prefetches the chunk ATT_PF ahead (and,
- * on the first call, the ones before it) */
+ * on the first call, the ones before it).  int8 rows come as stored, their scales in
+ * st->scales.  NOTE: the caller scales the scores and the softmax weights, as att_decode does,
+ * so a token's result is the same bits whichever path computes it (scaling the elements
+ * instead rounded differently: greedy output changed under preemption). */
 AVX2_FN static const float *const *stream_chunk(chunk_stream *st, int64_t c0, float **rows_out) {
     const void *rows[ATT_CHUNK];
     prefetch_ahead(st->kv, st->cache, st->bt_row, st->h, c0, st->end);
@@ -405,11 +408,14 @@ AVX2_FN static const float *const *stream_chunk(chunk_stream *st, int64_t c0, fl
     if (st->kv->dtype == 2) {
         const int64_t d = st->kv->d;
         const int cn = st->end - c0 < ATT_CHUNK ? (int)(st->end - c0) : ATT_CHUNK;
-        float sc[ATT_CHUNK];
-        chunk_scales(st->kv, st->cache, st->bt_row, st->h, c0, st->end, sc);
+        chunk_scales(st->kv, st->cache, st->bt_row, st->h, c0, st->end, st->scales);
         for (int j = 0; j < ATT_CHUNK; j++) rows_out[j] = st->f32 + (j < cn ? j : 0) * d;
-        for (int j = 0; j < cn; j++)
-            (st->wide ? widen_i8_512 : widen_i8)(rows_out[j], rows[j], sc[j], d);
+        for (int j = 0; j < cn; j++) {
+            if (st->wide)
+                widen_i8_512(rows_out[j], rows[j], 1.f, d);
+            else
+                widen_i8(rows_out[j], rows[j], d);
+        }
     } else if (st->kv->dtype == 1) {
         /* widen once here, not once per query row that reads the chunk */
         const int64_t d = st->kv->d;
@@ -949,26 +955,28 @@ static inline int64_t seg_end(int64_t s, int64_t kv_end) {
     return (s + 1) * DEC_SEG < kv_end ? (s + 1) * DEC_SEG : kv_end;
 }
 
+/* o[0..d) = one query row's nseg partial results combined; segment s's unnormalised output,
+ * max and exp-sum at o_part, m_part and l_part + s * stride */
+static void combine_row(const float *o_part, const float *m_part, const float *l_part,
+                        int64_t stride, int64_t nseg, int64_t d, float *o) {
+    float M = -INFINITY, L = 0.f;
+    for (int64_t s = 0; s < nseg; s++) M = m_part[s * stride] > M ? m_part[s * stride] : M;
+    for (int64_t j = 0; j < d; j++) o[j] = 0.f;
+    for (int64_t s = 0; s < nseg; s++) {
+        const float w = expf(m_part[s * stride] - M);
+        L += w * l_part[s * stride];
+        for (int64_t j = 0; j < d; j++) o[j] += w * o_part[s * stride + j];
+    }
+    const float inv = 1.f / L;
+    for (int64_t j = 0; j < d; j++) o[j] *= inv;
+}
+
 /* out rows [G][d] = the nseg partial results at parts combined */
 static void combine_parts(const float *parts, int64_t nseg, int64_t G, int64_t d, float *out) {
     const int64_t pf = part_floats(G, d);
-    for (int64_t r = 0; r < G; r++) {
-        float M = -INFINITY, L = 0.f;
-        for (int64_t s = 0; s < nseg; s++) {
-            const float m = parts[s * pf + G * d + r];
-            M = m > M ? m : M;
-        }
-        float *o = out + r * d;
-        for (int64_t j = 0; j < d; j++) o[j] = 0.f;
-        for (int64_t s = 0; s < nseg; s++) {
-            const float *p = parts + s * pf;
-            const float w = expf(p[G * d + r] - M);
-            L += w * p[G * d + G + r];
-            for (int64_t j = 0; j < d; j++) o[j] += w * p[r * d + j];
-        }
-        const float inv = 1.f / L;
-        for (int64_t j = 0; j < d; j++) o[j] *= inv;
-    }
+    for (int64_t r = 0; r < G; r++)
+        combine_row(parts + r * d, parts + G * d + r, parts + G * d + G + r, pf, nseg, d,
+                    out + r * d);
 }
 
 /* A decode token's kv head: one segment of a split token, or its whole context */
@@ -992,9 +1000,19 @@ AVX2_FN static void att_decode_task(const att_ctx *c, const att_task *tk) {
                   c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + tk->hk * G) * d);
 }
 
+/* row's S lanes [0, 16) *= sc[0, 16) */
+INLINE AVX2_FN void scale_chunk(float *row, const float *sc) {
+    _mm256_storeu_ps(row, _mm256_mul_ps(_mm256_loadu_ps(row), _mm256_loadu_ps(sc)));
+    _mm256_storeu_ps(row + 8, _mm256_mul_ps(_mm256_loadu_ps(row + 8), _mm256_loadu_ps(sc + 8)));
+}
+
 /* Exact (two-pass) softmax per task: scores of every query row of the task against every kv
  * position it sees, then softmax over each row, then P.V.  K and V are each read once per task;
- * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling. */
+ * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling.
+ * NOTE: with a cache att_decode reads, a row that sees more than DEC_SEG positions is taken in
+ * att_decode's segments and combined by combine_row, int8 scales applied as att_decode applies
+ * them: a token's output is then the same bits as a prefill row or a decode token (preemption
+ * recomputes, chunk and prefix-cache boundaries leave greedy output unchanged; tested). */
 AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int prefetch) {
     const shmk_kv_t *kv = c->kv;
     if (decode_kernel(c->kv) && tk->t1 - tk->t0 == 1) {
@@ -1007,8 +1025,15 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
     const int64_t kv_end = ctx0 + tk->t1; /* exclusive */
     const int64_t npos = shmk_cdiv(kv_end, ATT_CHUNK) * ATT_CHUNK;
     const int64_t nrows = (tk->t1 - tk->t0) * G; /* row r = (token t0 + r / G, head r % G) */
-    float *S = shmk_scratch(3, (size_t)(nrows * (npos + d + 1) + ATT_CHUNK * d) * sizeof(float));
+    const int i8 = kv->dtype == 2;
+    /* segments a row has room for: [d outputs, max, exp-sum] each */
+    const int64_t nseg = decode_kernel(kv) && kv_end > DEC_SEG ? shmk_cdiv(kv_end, DEC_SEG) : 0;
+    const int64_t seg_floats = d + 2;
+    float *S = shmk_scratch(3, (size_t)(nrows * (npos + d + 1 + nseg * seg_floats) +
+                                        ATT_CHUNK * d) *
+                                   sizeof(float));
     float *O = S + nrows * npos, *W = O + nrows * d, *inv_sum = W + ATT_CHUNK * d;
+    float *parts = inv_sum + nrows; /* row r's segment s at parts + (r * nseg + s) * seg_floats */
     float *rowbuf[ATT_CHUNK];
     const int32_t *bt_row = c->bt + tk->b * c->max_blocks;
     chunk_stream st = {
@@ -1027,19 +1052,30 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
             float *s = S + r * npos + c0;
             if (c->wide) {
                 scores_512(q, kp, d, c->scale, two, s);
-                continue;
+            } else {
+                _mm256_storeu_ps(s, _mm256_mul_ps(dot8(q, kp, d), vscale));
+                if (two) _mm256_storeu_ps(s + 8, _mm256_mul_ps(dot8(q, kp + 8, d), vscale));
             }
-            _mm256_storeu_ps(s, _mm256_mul_ps(dot8(q, kp, d), vscale));
-            if (two) _mm256_storeu_ps(s + 8, _mm256_mul_ps(dot8(q, kp + 8, d), vscale));
+            if (i8) scale_chunk(s, st.scales);
         }
     }
     /* pass 2: softmax (normalised at the end, in the output store) */
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t len = ctx0 + tk->t0 + r / G + 1;
-        inv_sum[r] = 1.f / softmax_row(S + r * npos, len, npos, NULL);
+        if (len <= DEC_SEG || nseg == 0) {
+            inv_sum[r] = 1.f / softmax_row(S + r * npos, len, npos, NULL);
+            continue;
+        }
+        for (int64_t sg = 0; sg * DEC_SEG < len; sg++) {
+            const int64_t p0 = sg * DEC_SEG, n = seg_end(sg, len) - p0;
+            float *part = parts + (r * nseg + sg) * seg_floats;
+            part[d + 1] = softmax_row(S + r * npos + p0, n, shmk_cdiv(n, ATT_CHUNK) * ATT_CHUNK,
+                                      part + d);
+            memset(part, 0, (size_t)d * sizeof(float));
+        }
     }
     memset(O, 0, (size_t)(nrows * d) * sizeof(float));
-    /* pass 3: O = P.V */
+    /* pass 3: O = P.V (a segmented row's into its segment's part) */
     st.cache = kv->v;
     for (int64_t c0 = 0; c0 < kv_end; c0 += ATT_CHUNK) {
         const float *const *vp = stream_chunk(&st, c0, rowbuf);
@@ -1047,16 +1083,27 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
             const int64_t pos = ctx0 + tk->t0 + r / G;
             if (pos < c0) continue;
             const int n = pos - c0 + 1 < ATT_CHUNK ? (int)(pos - c0 + 1) : ATT_CHUNK;
+            float *p = S + r * npos + c0;
+            float *o = pos < DEC_SEG || nseg == 0
+                           ? O + r * d
+                           : parts + (r * nseg + c0 / DEC_SEG) * seg_floats;
+            if (i8) scale_chunk(p, st.scales); /* p_j s_j */
             if (c->wide)
-                pv_accumulate_512(O + r * d, S + r * npos + c0, vp, n, d);
+                pv_accumulate_512(o, p, vp, n, d);
             else
-                pv_accumulate(O + r * d, S + r * npos + c0, vp, n, d);
+                pv_accumulate(o, p, vp, n, d);
         }
     }
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t ti = tk->t0 + r / G;
         float *out = c->out + ((q_start + ti) * c->hq + tk->hk * G + r % G) * d;
-        store_scaled(out, O + r * d, inv_sum[r], d);
+        if (ctx0 + ti < DEC_SEG || nseg == 0) {
+            store_scaled(out, O + r * d, inv_sum[r], d);
+        } else {
+            const float *part = parts + r * nseg * seg_floats;
+            combine_row(part, part + d, part + d + 1, seg_floats,
+                        shmk_cdiv(ctx0 + ti + 1, DEC_SEG), d, out);
+        }
     }
 }
 

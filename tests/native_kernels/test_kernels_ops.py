@@ -304,6 +304,28 @@ def test_a_decode_token_is_computed_alike_in_any_batch_and_thread_count(dtype):
         assert torch.equal(r, results[0])
 
 
+@pytest.mark.skipif("avx2" not in PATHS, reason="needs AVX2")
+@pytest.mark.parametrize("dtype", KV_DTYPES[1:])
+@pytest.mark.parametrize("seq", [(300, 40), (530, 40), (1100, 24)])
+def test_a_token_is_computed_alike_as_a_decode_or_a_prefill_row(dtype, seq):
+    """On the AVX2 path a token's attention is the same bits whether it is a one-token decode
+    step or a row of a prefill chunk, across the 512-position segments and with int8 scales:
+    preemption (recompute), chunk and prefix-cache boundaries leave greedy output unchanged.
+    (The AVX-512 prefill tiles sum in another order.)"""
+    K.set_path("avx2")
+    s, ql = seq
+    q, kc, vc, meta, _, _ = make_batch([seq], 9, 3, 64, 16, seed=s, dtype=dtype)
+    chunk = K.paged_attention(q, kc, vc, scale=0.125, **meta)
+    for i in (0, ql // 2, ql - 1):
+        one = dict(
+            block_table=meta["block_table"],
+            seq_lens=torch.tensor([s - ql + i + 1], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        )
+        decode = K.paged_attention(q[i : i + 1], kc, vc, scale=0.125, **one)
+        assert torch.equal(decode[0], chunk[i]), (i, (decode[0] - chunk[i]).abs().max())
+
+
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 def test_attention_threads_identical_and_paths_close(dtype):
     q, kc, vc, meta, ks, vs = make_batch(MIXED, 9, 3, 64, 16, seed=3, dtype=dtype)
