@@ -62,6 +62,10 @@ class InprocClient:
         self.ready = self.core.ready_info()
         self._errors: list[EngineCoreOutputs] = []
         self._shut_down = False
+        # NOTE: EngineCore is single-threaded (scheduler, model scratch): an appliance's worker
+        # threads sharing one LLM take turns here, as the process clients' locks make them do.
+        # Unlocked, four threads got each other's tokens without any error.
+        self._lock = threading.Lock()
 
     def _check(self) -> None:
         """As the process clients: after shutdown every call says the engine is gone (a step
@@ -72,36 +76,41 @@ class InprocClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         from shm_engine.engine.core_proc import _error_output
 
-        self._check()
-        try:
-            self.core.add_request(request)
-        except (ValueError, RuntimeError) as e:
-            self._errors.append(_error_output(request.request_id, str(e)))
+        with self._lock:
+            self._check()
+            try:
+                self.core.add_request(request)
+            except (ValueError, RuntimeError) as e:
+                self._errors.append(_error_output(request.request_id, str(e)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self._check()
-        self.core.abort_requests(request_ids)
+        with self._lock:
+            self._check()
+            self.core.abort_requests(request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        self._check()
-        if self._errors:
-            return self._errors.pop(0)
-        if self.core.batch_queue_size > 1:
-            return self.core.step_with_batch_queue()
-        return self.core.step()
+        with self._lock:
+            self._check()
+            if self._errors:
+                return self._errors.pop(0)
+            if self.core.batch_queue_size > 1:
+                return self.core.step_with_batch_queue()
+            return self.core.step()
 
     def call_utility(self, method: str, *args: Any) -> Any:
         from shm_engine.engine.core_proc import UTILITY_METHODS
 
-        self._check()
-        if method not in UTILITY_METHODS:
-            raise UtilityError(f"unknown utility method {method!r}")
-        return getattr(self.core, method)(*args)
+        with self._lock:
+            self._check()
+            if method not in UTILITY_METHODS:
+                raise UtilityError(f"unknown utility method {method!r}")
+            return getattr(self.core, method)(*args)
 
     def shutdown(self) -> None:
-        if not self._shut_down:
-            self._shut_down = True
-            self.core.shutdown()
+        with self._lock:
+            if not self._shut_down:
+                self._shut_down = True
+                self.core.shutdown()
 
 
 class SyncMPClient:

@@ -441,6 +441,31 @@ def test_llm_generate_matches_in_process_engine():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_an_in_process_llm_serves_several_threads():
+    # The engine runs in the caller's process: threads take turns in it (unlocked, their steps
+    # interleaved inside the scheduler and the model's scratch and gave garbage, no error).
+    from shm_engine import LLM
+
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "My colour is"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with LLM(dtype=DTYPE, num_kv_blocks=128, in_process=True) as llm:
+        alone = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        got: dict[int, str] = {}
+
+        def worker(i: int) -> None:
+            for _ in range(3):
+                got[i] = llm.generate(prompts[i], params, use_tqdm=False)[0].outputs[0].text
+                assert got[i] == alone[i]
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not any(th.is_alive() for th in threads)
+    assert [got.get(i) for i in range(4)] == alone
+
+
 @pytest.mark.skipif(DTYPE != "int8", reason="the int8 cache is the int8 path's")
 def test_llm_stream_never_yields_text_a_stop_string_takes_back():
     from shm_engine import LLM
