@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
@@ -44,6 +44,13 @@ def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
             f"This model's maximum context length is {max_model_len} tokens, "
             f"but the prompt has {num_tokens} tokens (at least one token must be generated)."
         )
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    """Refuse prompt token ids the model has no embedding for (given as ids, not text)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of the vocabulary (size {vocab_size})")
 
 
 class _Stream:

@@ -20,7 +20,7 @@ from shm_engine.engine.client import EngineDeadError, InprocClient, SyncMPClient
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest
-from shm_engine.entrypoints.async_engine import check_prompt_fits
+from shm_engine.entrypoints.async_engine import check_prompt_fits, check_token_ids
 from shm_engine.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": ...}
@@ -142,7 +142,8 @@ class LLM:
             self._abort([rid])  # a no-op once it finished; closed early: stop generating
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """The prompt's text and ids; ValueError (as vLLM's) if it is empty or cannot fit."""
+        """The prompt's text and ids; ValueError (as vLLM's) if it is empty, cannot fit or has
+        ids out of the vocabulary."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -152,6 +153,8 @@ class LLM:
                 if text is None:
                     raise ValueError("a prompt needs 'prompt' or 'prompt_token_ids'")
                 token_ids = self.tokenizer.encode(text)
+            else:
+                check_token_ids(token_ids, self.client.ready.vocab_size)
         check_prompt_fits(len(token_ids), self.client.ready.max_model_len)
         return text, list(token_ids)
 

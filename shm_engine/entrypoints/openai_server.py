@@ -36,7 +36,12 @@ from starlette.exceptions import HTTPException
 from shm_engine.engine.client import EngineDeadError
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
-from shm_engine.entrypoints.async_engine import AsyncLLM, PromptTooLongError, RequestHandle
+from shm_engine.entrypoints.async_engine import (
+    AsyncLLM,
+    PromptTooLongError,
+    RequestHandle,
+    check_token_ids,
+)
 from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from shm_engine.entrypoints.openai_logprobs import LogprobCursor, LogprobFormatter, TokenTable
@@ -290,8 +295,10 @@ class OpenAIServer:
             if isinstance(item, str):
                 text, ids = item, next(encoded)
             else:
-                if any(t < 0 or t >= self.engine.client.ready.vocab_size for t in item):
-                    raise bad_request("prompt token ids out of the vocabulary", "prompt")
+                try:
+                    check_token_ids(item, self.engine.client.ready.vocab_size)
+                except ValueError as e:
+                    raise bad_request(str(e), "prompt") from None
                 text, ids = None, list(item)
             self.engine.check_prompt(ids, params)
             prompts.append(_Prompt(text, ids, params, f"{base}-{i}"))

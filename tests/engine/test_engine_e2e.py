@@ -503,7 +503,12 @@ def test_llm_stream_paused_while_generate_runs_still_ends():
         assert not llm.processor.has_unfinished() and not llm._latest
         # As vLLM's: a prompt that cannot fit raises before anything is sent.
         too_long = {"prompt_token_ids": [5] * llm.client.ready.max_model_len}
-        for prompt, match in ((too_long, "context length"), ({"prompt_token_ids": []}, "empty")):
+        out_of_vocab = {"prompt_token_ids": [1, llm.client.ready.vocab_size]}
+        for prompt, match in (
+            (too_long, "context length"),
+            ({"prompt_token_ids": []}, "empty"),
+            (out_of_vocab, "out of the vocabulary"),
+        ):
             with pytest.raises(ValueError, match=match):
                 llm.generate(["a", prompt], params, use_tqdm=False)
             assert not llm.processor.has_unfinished()
