@@ -49,6 +49,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}")
         if self.batch_queue_size < 1:
             raise ValueError("batch_queue_size must be at least 1")
+        if self.num_threads < 0:
+            raise ValueError(
+                f"num_threads must be 0 (every core) or positive, got {self.num_threads}"
+            )
         if self.dtype not in ("int8", "float32"):
             raise ValueError(f"dtype must be 'int8' or 'float32', got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "fp16", "int8"):

@@ -83,7 +83,8 @@ def cmd_generate(args) -> int:
                 print(delta, end="", flush=True)
                 n += 1
             dt = time.perf_counter() - t0
-            print(f"\n[{n} chunks in {dt:.2f} s]", file=sys.stderr)
+            print(flush=True)  # ends the completion on stdout too (redirected, they ran together)
+            print(f"[{n} chunks in {dt:.2f} s]", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -20,6 +20,7 @@ from shm_engine.entrypoints import cli
         (["generate", "hi", "--model", "/nonexistent"], "does not exist"),
         (["chat", "--top-p", "2"], "top_p must be in"),
         (["serve", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+        (["generate", "hi", "--threads", "-1"], "num_threads must be 0"),
     ],
 )
 def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
@@ -44,10 +45,13 @@ def _inputs(monkeypatch, lines: list[str | type[BaseException]]) -> None:
 @pytest.mark.slow
 def test_generate_reports_a_prompt_that_cannot_fit_and_runs_the_others(capsys) -> None:
     too_long = "hello " * 9000  # past the 8192-token context
-    assert cli.main(["generate", too_long, "The capital of France is", "--max-tokens", "4"]) == 1
+    argv = ["generate", too_long, "The capital of France is", "1, 2, 3,", "--max-tokens", "4"]
+    assert cli.main(argv) == 1
     out, err = capsys.readouterr()
     assert "shm-engine generate: error: prompt 1: " in err and "context length" in err
     assert out.startswith("The capital of France is") and "Traceback" not in err
+    # each completion ends its line on stdout, so a redirected run keeps them apart
+    assert "\n1, 2, 3," in out and out.endswith("\n")
 
 
 @pytest.mark.slow
