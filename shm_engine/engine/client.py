@@ -13,6 +13,7 @@ client dead and wakes every waiter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -244,6 +245,10 @@ class SyncMPClient:
         for fut in pending.values():
             _settle(fut, exc=err)
         self._deliver(err)
+        # A dead engine is reaped here, not at shutdown(): a server lives on after its engine
+        # died (answering 503) and had kept a zombie until it stopped.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(2.0)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         self.outputs.put(item)

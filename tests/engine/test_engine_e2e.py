@@ -329,6 +329,13 @@ def test_engine_death_is_reported_within_a_second(sig, tokenizer):
             c.add_request(request("y", [1, 2, 3]))
         with pytest.raises(EngineDeadError):
             c.call_utility("get_stats")
+        # reaped by the client without a shutdown() (a server outlives its engine)
+        deadline = time.monotonic() + 5
+        while c.proc.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.proc.returncode is not None
+        with pytest.raises(ChildProcessError):
+            os.waitpid(c.proc.pid, os.WNOHANG)  # no zombie left to reap
     finally:
         c.shutdown()
     assert c.proc.poll() is not None
