@@ -391,7 +391,8 @@ class OpenAIServer:
         if step is None:
             return None
         delta, finish, lp = step
-        return {"index": base + c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": base + c.index, "text": delta, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": c.stop_reason if finish else None}  # fmt: skip
 
     def _chat_delta(
         self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
@@ -402,7 +403,8 @@ class OpenAIServer:
             return None
         delta, finish, lp = step
         content = {"content": delta} if delta else {}
-        return {"index": c.index, "delta": content, "logprobs": lp, "finish_reason": finish}
+        return {"index": c.index, "delta": content, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": c.stop_reason if finish else None}  # fmt: skip
 
     # ------------------------------------------------------------------ completions
 
@@ -466,7 +468,7 @@ class OpenAIServer:
             if c.finish_reason is not None and not st.done:
                 st.done = True
                 ends.append({"index": base + c.index, "text": "", "logprobs": None,
-                             "finish_reason": "length"})  # fmt: skip
+                             "finish_reason": "length", "stop_reason": None})  # fmt: skip
         return ends
 
     def _echo(self, p: _Prompt) -> str:

@@ -237,6 +237,7 @@ def test_streamed_chat_logprobs_go_with_their_text(fake) -> None:
             # A chunk's logprobs are those of the tokens its text is made of, byte for byte.
             got = b"".join(bytes(e["bytes"]) for e in c["logprobs"]["content"])
             assert got == c["delta"].get("content", "").encode()
+    assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", "STOP")
     content = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
     assert len(content) == len(engine.tokenizer.encode(GEN.split("STOP")[0] + "STOP"))
     emoji = [e for e in content if e["token"].startswith("bytes:")]

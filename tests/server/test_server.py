@@ -103,6 +103,7 @@ def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     chunks = [e["choices"][0] for e in events]
     assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", stop)  # as vLLM's
     streamed = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]]
                 for k in ("tokens", "text_offset", "token_logprobs")}  # fmt: skip
     lp = whole["logprobs"]
