@@ -314,8 +314,10 @@ def test_a_token_is_computed_alike_as_a_decode_or_a_prefill_row(dtype, seq):
     (The AVX-512 prefill tiles sum in another order.)"""
     K.set_path("avx2")
     s, ql = seq
-    q, kc, vc, meta, _, _ = make_batch([seq], 9, 3, 64, 16, seed=s, dtype=dtype)
+    q, kc, vc, meta, ks, vs = make_batch([seq], 9, 3, 64, 16, seed=s, dtype=dtype)
     chunk = K.paged_attention(q, kc, vc, scale=0.125, **meta)
+    ref = ref_attention(q, ks, vs, [seq], 9, 3, 0.125)
+    torch.testing.assert_close(chunk, ref, rtol=1e-4, atol=1e-5)
     for i in (0, ql // 2, ql - 1):
         one = dict(
             block_table=meta["block_table"],
