@@ -1011,8 +1011,10 @@ INLINE AVX2_FN void scale_chunk(float *row, const float *sc) {
  * the G query heads and the tile's tokens share every chunk loaded; no per-chunk rescaling.
  * NOTE: with a cache att_decode reads, a row that sees more than DEC_SEG positions is taken in
  * att_decode's segments and combined by combine_row, int8 scales applied as att_decode applies
- * them: a token's output is then the same bits as a prefill row or a decode token (preemption
- * recomputes, chunk and prefix-cache boundaries leave greedy output unchanged; tested). */
+ * them: on the AVX2 path a token's output is then the same bits as a prefill row or a decode
+ * token (preemption recomputes, chunk and prefix-cache boundaries leave greedy output
+ * unchanged; tested).  The zmm inner loops (wide) sum in another order than zmm decode, and
+ * agree to rounding only. */
 AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int prefetch) {
     const shmk_kv_t *kv = c->kv;
     if (decode_kernel(c->kv) && tk->t1 - tk->t0 == 1) {
