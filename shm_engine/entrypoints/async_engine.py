@@ -275,6 +275,13 @@ class AsyncLLM:
             logger.exception("engine output pump failed")
             self._fail_all(EngineDeadError(f"engine output pump failed: {e}"))
 
+    def end_streams(self, reason: str) -> None:
+        """Fail every open request's stream with EngineDeadError(reason): each response ends with
+        an error (an SSE error event and [DONE]) and, as it closes, aborts its engine request.
+        The engine keeps running."""
+        for stream in list(self.streams.values()):
+            stream.fail(EngineDeadError(reason))
+
     def _fail_all(self, exc: EngineDeadError) -> None:
         self.dead_reason = str(exc) or "the engine is not running"
         for stream in list(self.streams.values()):

@@ -22,12 +22,13 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import jinja2
 import msgspec
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -861,8 +862,6 @@ def serve(
     access_log: bool = False,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
-    import uvicorn
-
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = build_app(config, served_model_name)
     uv = uvicorn.Config(
@@ -871,15 +870,44 @@ def serve(
         port=port,
         log_level=log_level,
         access_log=access_log,
-        # Open streams get this long to finish on shutdown, then they are cancelled.
-        timeout_graceful_shutdown=3,
+        # Open requests get this long to finish on shutdown (see _GracefulServer).
+        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         lifespan="on",
     )
     # uvicorn re-raises the stop signal once it has shut down gracefully; a requested stop that
     # completed cleanly is a success, so that re-raise ends the process with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
-    uvicorn.Server(uv).run()
+    _GracefulServer(uv, lambda: getattr(app.app.state, "server", None)).run()
+
+
+_SHUTDOWN_GRACE_S = 3.0
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, ending open requests itself shortly before the grace period runs out.
+
+    NOTE: uvicorn cancels the tasks still running at the end of timeout_graceful_shutdown: a
+    stream was then cut mid-body (no error event, no [DONE]; clients raised a transfer-length
+    error) and uvicorn logged the CancelledError. Failed half a second earlier, every open
+    response ends as an engine failure would end it, and its engine request is aborted.
+    """
+
+    def __init__(self, config: Any, server: Callable[[], OpenAIServer | None]) -> None:
+        super().__init__(config)
+        self._server = server
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        def end_streams() -> None:
+            server = self._server()
+            if server is not None:  # None: the lifespan never started the engine
+                server.engine.end_streams("the server is shutting down")
+
+        timer = asyncio.get_running_loop().call_later(_SHUTDOWN_GRACE_S - 0.5, end_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def _exit_cleanly(signum: int, frame: Any) -> None:

@@ -317,11 +317,23 @@ def test_bench_serve(server, tmp_path) -> None:
 def test_shutdown_sigterm_leaves_nothing(server) -> None:
     procs = [psutil.Process(server.proc.pid), *server.children]
     assert server.children, "the engine runs in a child process"
-    # A stream in flight while the server stops must not keep it alive.
+    # A stream in flight while the server stops must not keep it alive. Its engine paused, it
+    # outlasts the grace period: it ends with an error event and [DONE] (uvicorn's cancel had
+    # cut it mid-body) and the server logs no traceback.
+    engine = next(p for p in server.children if "EngineCore" in " ".join(p.cmdline()))
     body = {"prompt": "Go on and on.", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-        next(line for line in r.iter_lines() if line.startswith("data:"))
-        assert server.stop(signal.SIGTERM, timeout=30) == 0
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        engine.suspend()
+        try:
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        finally:
+            engine.resume()
+    assert rest[-1] == "data: [DONE]" and "the server is shutting down" in rest[-2]
+    assert server.stop(signal.SIGTERM, timeout=30) == 0
+    assert "Traceback" not in server.log_path.read_text(errors="replace")
     _, alive = psutil.wait_procs(procs, timeout=10)
     assert not alive, alive
     assert not server.leaked_shm()
