@@ -240,7 +240,9 @@ class AsyncLLM:
 
     def _abort(self, request_id: str) -> None:
         engine_ids = self.processor.engine_ids(request_id)
-        self.processor.abort(request_id)
+        aborted = self.processor.abort(request_id)  # None if it had finished
+        if aborted is not None:
+            self._report_finished(aborted)  # its tokens and first-token time count too, as vLLM's
         if engine_ids and not self.is_dead:
             with contextlib.suppress(EngineDeadError):
                 self.client.abort_requests(engine_ids)
@@ -259,11 +261,8 @@ class AsyncLLM:
                     self.client.abort_requests(to_abort)
                 for r in results:
                     stream = self.streams.get(r.request_id)
-                    if r.finished and self.on_finished is not None and r.error is None:
-                        try:
-                            self.on_finished(r)
-                        except Exception:
-                            logger.exception("on_finished hook failed")
+                    if r.finished:
+                        self._report_finished(r)
                     if stream is not None:
                         stream.put(r)
         except EngineDeadError as e:
@@ -274,6 +273,15 @@ class AsyncLLM:
         except Exception as e:  # a bug here must not leave requests hanging forever
             logger.exception("engine output pump failed")
             self._fail_all(EngineDeadError(f"engine output pump failed: {e}"))
+
+    def _report_finished(self, r: RequestOutput) -> None:
+        """on_finished, once per request that ended without an error (finished or aborted)."""
+        if self.on_finished is None or r.error is not None:
+            return
+        try:
+            self.on_finished(r)
+        except Exception:
+            logger.exception("on_finished hook failed")
 
     def end_streams(self, reason: str) -> None:
         """Fail every open request's stream with EngineDeadError(reason): each response ends with

@@ -106,15 +106,16 @@ class ServerMetrics:
         self.engine_alive.set(1 if alive else 0)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        """Called once per finished request (from the engine output pump)."""
-        n_out = sum(len(c.token_ids) for c in out.outputs)
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(n_out)
+        """Called once per request that ended without an error: finished, or aborted (a client
+        that went away; as in vLLM, its tokens count). A prompt counts once its prefill ran
+        (a first token came): an aborted request may never have been scheduled."""
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
         for c in out.outputs:
             self._success.labels(self._model_name, c.finish_reason or "unknown").inc()
         m = out.metrics
         if m is None or m.first_token_time is None:
             return
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.last_token_time is not None:
             self.e2e.observe(max(0.0, m.last_token_time - m.arrival_time))

@@ -257,6 +257,7 @@ def test_bad_json_unknown_model_and_openai_errors(server, client: openai.OpenAI)
 def test_disconnect_aborts_request(server, model: str) -> None:
     body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 400,
             "ignore_eos": True, "stream": True}  # fmt: skip
+    generated, ttfts = server.metric("generation_tokens_total"), ttft_count(server)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         got = 0
         for line in r.iter_lines():
@@ -265,6 +266,9 @@ def test_disconnect_aborts_request(server, model: str) -> None:
                 break  # leaving the block closes the connection mid-stream
     assert server.metric("num_requests_running") <= 1
     wait_idle(server, timeout=10.0)  # 400 tokens would take far longer than this
+    # As in vLLM, the aborted request's tokens and first-token time are counted.
+    assert server.metric("generation_tokens_total") >= generated + 3
+    assert ttft_count(server) == ttfts + 1
     # Non-streaming: the client gives up; the server notices and aborts too.
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
@@ -272,6 +276,10 @@ def test_disconnect_aborts_request(server, model: str) -> None:
     # A client going away is routine: no error, no traceback in the log.
     log = server.output()
     assert "Traceback" not in log and "ERROR" not in log, log
+
+
+def ttft_count(server) -> float:
+    return server.metric("time_to_first_token_seconds_count")
 
 
 def test_metrics(server) -> None:
