@@ -1000,6 +1000,11 @@ AVX2_FN static void att_decode_task(const att_ctx *c, const att_task *tk) {
                   c->out + ((c->qsl[tk->b] + tk->t0) * c->hq + tk->hk * G) * d);
 }
 
+/* whether a query row that sees len positions is taken in segments (nseg: the task's room) */
+static inline int row_segmented(int64_t nseg, int64_t len) {
+    return nseg > 0 && len > DEC_SEG;
+}
+
 /* row's S lanes [0, 16) *= sc[0, 16) */
 INLINE AVX2_FN void scale_chunk(float *row, const float *sc) {
     _mm256_storeu_ps(row, _mm256_mul_ps(_mm256_loadu_ps(row), _mm256_loadu_ps(sc)));
@@ -1064,7 +1069,7 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
     /* pass 2: softmax (normalised at the end, in the output store) */
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t len = ctx0 + tk->t0 + r / G + 1;
-        if (len <= DEC_SEG || nseg == 0) {
+        if (!row_segmented(nseg, len)) {
             inv_sum[r] = 1.f / softmax_row(S + r * npos, len, npos, NULL);
             continue;
         }
@@ -1086,9 +1091,9 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
             if (pos < c0) continue;
             const int n = pos - c0 + 1 < ATT_CHUNK ? (int)(pos - c0 + 1) : ATT_CHUNK;
             float *p = S + r * npos + c0;
-            float *o = pos < DEC_SEG || nseg == 0
-                           ? O + r * d
-                           : parts + (r * nseg + c0 / DEC_SEG) * seg_floats;
+            float *o = row_segmented(nseg, pos + 1)
+                           ? parts + (r * nseg + c0 / DEC_SEG) * seg_floats
+                           : O + r * d;
             if (i8) scale_chunk(p, st.scales); /* p_j s_j */
             if (c->wide)
                 pv_accumulate_512(o, p, vp, n, d);
@@ -1099,12 +1104,12 @@ AVX2_FN static void att_task_avx2(const att_ctx *c, const att_task *tk, int pref
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t ti = tk->t0 + r / G;
         float *out = c->out + ((q_start + ti) * c->hq + tk->hk * G + r % G) * d;
-        if (ctx0 + ti < DEC_SEG || nseg == 0) {
-            store_scaled(out, O + r * d, inv_sum[r], d);
-        } else {
+        const int64_t len = ctx0 + ti + 1;
+        if (row_segmented(nseg, len)) {
             const float *part = parts + r * nseg * seg_floats;
-            combine_row(part, part + d, part + d + 1, seg_floats,
-                        shmk_cdiv(ctx0 + ti + 1, DEC_SEG), d, out);
+            combine_row(part, part + d, part + d + 1, seg_floats, shmk_cdiv(len, DEC_SEG), d, out);
+        } else {
+            store_scaled(out, O + r * d, inv_sum[r], d);
         }
     }
 }

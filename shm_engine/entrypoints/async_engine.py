@@ -287,11 +287,13 @@ class AsyncLLM:
         """Fail every open request's stream with EngineDeadError(reason): each response ends with
         an error (an SSE error event and [DONE]) and, as it closes, aborts its engine request.
         The engine keeps running."""
-        for stream in list(self.streams.values()):
-            stream.fail(EngineDeadError(reason))
+        self._fail_streams(EngineDeadError(reason))
 
     def _fail_all(self, exc: EngineDeadError) -> None:
         self.dead_reason = str(exc) or "the engine is not running"
+        self._fail_streams(exc)
+
+    def _fail_streams(self, exc: EngineDeadError) -> None:
         for stream in list(self.streams.values()):
             stream.fail(exc)
 
