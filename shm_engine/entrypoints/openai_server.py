@@ -425,11 +425,11 @@ class OpenAIServer:
         choices = []
         for i, p in enumerate(prompts):
             assert p.final is not None
-            prefix = self._echo(p) if req.echo else ""
+            prefix, echo_skip = self._echo(p) if req.echo else ("", True)
             skip = params.skip_special_tokens
             echoed = None
             if params.prompt_logprobs is not None:
-                echoed = self.logprobs.prompt(p.final, prefix, skip)
+                echoed = self.logprobs.prompt(p.final, prefix, echo_skip)
             for c in p.final.outputs:
                 text, lp, finish, reason = prefix + c.text, echoed, _finish_reason(c), c.stop_reason
                 if req.echo_only:
@@ -472,8 +472,17 @@ class OpenAIServer:
                              "finish_reason": "length", "stop_reason": None})  # fmt: skip
         return ends
 
-    def _echo(self, p: _Prompt) -> str:
-        return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+    def _echo(self, p: _Prompt) -> tuple[str, bool]:
+        """The echoed prompt, and whether its logprobs' offsets skip special tokens.
+
+        NOTE: the text and the offsets follow one rule, or offsets index the wrong characters: a
+        text prompt is echoed as given, special tokens' text included; token ids are decoded
+        as the request decodes its output (``skip_special_tokens``).
+        """
+        if p.text is not None:
+            return p.text, False
+        skip = p.params.skip_special_tokens
+        return self.tokenizer.decode(p.token_ids, skip_special_tokens=skip), skip
 
     async def _stream_completions(
         self, req: CompletionRequest, prompts: list[_Prompt]
@@ -492,12 +501,12 @@ class OpenAIServer:
                 if not p.choices:
                     p.choices = [_Choice() for _ in range(n)]
                     if req.echo:
-                        prefix = self._echo(p)
+                        prefix, echo_skip = self._echo(p)
                         for st in p.choices:
                             st.lp.offset = len(prefix)  # offsets count the echoed prompt
                         lp = None
                         if params.prompt_logprobs is not None:
-                            lp = self.logprobs.prompt(out, prefix, params.skip_special_tokens)
+                            lp = self.logprobs.prompt(out, prefix, echo_skip)
                         echoed = [{"index": i * n + j, "text": prefix, "logprobs": lp,
                                    "finish_reason": None} for j in range(n)]  # fmt: skip
                         yield chunk(echoed)

@@ -143,6 +143,31 @@ def test_echo_with_max_tokens_0_scores_the_prompt_only(server, model: str) -> No
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
 
 
+def test_echoed_prompt_offsets_index_the_echoed_text(server, model: str) -> None:
+    """text[offset_i:offset_i+1] is prompt token i's text, special tokens included, for a text
+    prompt (echoed as given) and for token ids (decoded as skip_special_tokens says)."""
+    url = server.url + "/v1/completions"
+    body = {"model": model, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    text_prompt = "<|im_start|>user\nHi<|im_end|>"
+    ids = [1, 4093, 198, 26843]  # <|im_start|> user \n Hi
+    for prompt, skip, echoed in [
+        (text_prompt, True, text_prompt),
+        (ids, False, "<|im_start|>user\nHi"),
+        (ids, True, "user\nHi"),
+    ]:
+        r = httpx.post(url, json={**body, "prompt": prompt, "skip_special_tokens": skip})
+        choice = r.json()["choices"][0]
+        assert choice["text"].startswith(echoed)
+        lp, text = choice["logprobs"], choice["text"]
+        n = len(lp["tokens"]) - 1  # the last is the sampled token
+        ends = lp["text_offset"][1:]
+        pieces = [text[a:b] for a, b in zip(lp["text_offset"][:n], ends, strict=True)]
+        want = lp["tokens"][:n]
+        if skip and isinstance(prompt, list):  # a text prompt is echoed with its specials' text
+            want = ["" if t in ("<|im_start|>", "<|im_end|>") else t for t in want]
+        assert pieces == want, (prompt, skip)
+
+
 def test_chat_logprob_bytes_are_the_tokens_own(client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "user", "content": "Reply with only emojis: \U0001f600\U0001f389"}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
