@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shm_engine.model.tokenizer import content_text
+from shm_engine.model.tokenizer import text_parts
 from shm_engine.sampling_params import SamplingParams
 
 
@@ -140,10 +140,11 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def template_content(self) -> str | list[dict[str, str]]:
+        """The content as the chat template takes it: a string or checked text parts."""
         if self.content is None or isinstance(self.content, str):
-            return content_text(self.content)
-        return content_text([p.model_dump() for p in self.content])
+            return self.content or ""
+        return text_parts([p.model_dump() for p in self.content])
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -168,10 +169,10 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         # "developer" is the newer name of "system"; chat templates know only the latter.
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            {"role": "system" if m.role == "developer" else m.role, "content": m.template_content()}
             for m in self.messages
         ]
 

@@ -162,7 +162,7 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
-        self._template: jinja2.Template | None = None
+        self._template: tuple[jinja2.Template, bool] | None = None  # and whether it wants parts
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -341,49 +341,82 @@ class Tokenizer:
         chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render the model's own chat template (as text; encode with add_special_tokens=False)."""
-        template = self._compiled(chat_template)
+        """Render the model's own chat template (as text; encode with add_special_tokens=False).
+
+        Message content is handed over as the template expects it (vLLM's content formats): a
+        template that loops over ``message.content`` gets OpenAI-style text parts, any other
+        gets one string, its parts joined by newlines.
+        """
+        template, wants_parts = self._compiled(chat_template)
         return template.render(
-            messages=[_text_parts_joined(m) for m in messages],
+            messages=[_for_template(m, wants_parts) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
 
-    def _compiled(self, override: str | None) -> jinja2.Template:
+    def _compiled(self, override: str | None) -> tuple[jinja2.Template, bool]:
         if override is not None:
-            return _chat_env().from_string(override)
+            return _compile_chat_template(override)
         if self._template is None:
             if not self.chat_template:
                 raise ValueError("this model has no chat template; pass chat_template explicitly")
-            self._template = _chat_env().from_string(self.chat_template)
+            self._template = _compile_chat_template(self.chat_template)
         return self._template
 
 
 def content_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
-    """A chat message's content as the template's text: OpenAI-style parts
-    (``[{"type": "text", "text": ...}]``) joined, as vLLM does. Other kinds (images, audio)
-    are refused: this engine runs text models only."""
+    """A chat message's content as one string: OpenAI-style parts
+    (``[{"type": "text", "text": ...}]``) joined by newlines, as vLLM joins them. Other kinds
+    (images, audio) are refused: this engine runs text models only."""
+    return "\n".join(part["text"] for part in text_parts(content))
+
+
+def text_parts(content: str | Sequence[Mapping[str, Any]] | None) -> list[dict[str, str]]:
+    """A chat message's content as OpenAI-style text parts (none for absent content)."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
-    texts = []
+        return [{"type": "text", "text": content}]
+    parts = []
     for part in content:
         kind = part.get("type")
         if kind != "text":
             raise ValueError(f"content parts of type {kind!r} are not supported")
-        texts.append(part.get("text") or "")
-    return "".join(texts)
+        parts.append({"type": "text", "text": part.get("text") or ""})
+    return parts
 
 
-def _text_parts_joined(message: Mapping[str, Any]) -> dict[str, Any]:
-    """The message for the template: content parts joined; a string or None kept as given."""
+def _for_template(message: Mapping[str, Any], wants_parts: bool) -> dict[str, Any]:
+    """The message with its content in the form the template reads (None as no text)."""
     content = message.get("content")
-    if isinstance(content, str) or content is None:
+    if wants_parts:
+        return {**message, "content": text_parts(content)}
+    if isinstance(content, str):
         return dict(message)
     return {**message, "content": content_text(content)}
+
+
+def _compile_chat_template(source: str) -> tuple[jinja2.Template, bool]:
+    """The compiled template, and whether it loops over a message's content (then it expects
+    OpenAI-style parts, as vLLM detects its "openai" content format)."""
+    env = _chat_env()
+    wants_parts = any(
+        _names_content(loop.iter) for loop in env.parse(source).find_all(jinja2.nodes.For)
+    )
+    return env.from_string(source), wants_parts
+
+
+def _names_content(node: jinja2.nodes.Node) -> bool:
+    """``x.content`` or ``x['content']`` (possibly filtered, e.g. ``x.content | list``)."""
+    while isinstance(node, jinja2.nodes.Filter):
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    return False
 
 
 class IncrementalDetokenizer:

@@ -91,10 +91,27 @@ def test_chat_template_keeps_given_system_prompt(tok: Tokenizer) -> None:
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 
 
-def test_chat_content_parts_render_as_their_joined_text(tok: Tokenizer) -> None:
-    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+def test_chat_content_parts_render_as_vllm_renders_them(tok: Tokenizer) -> None:
+    """A template that takes a string gets the parts joined by newlines; one that loops over
+    message content gets the parts (vLLM's "string" and "openai" content formats); absent
+    content renders as no text."""
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
     as_parts = tok.apply_chat_template([{"role": "user", "content": parts}])
-    assert as_parts == tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert as_parts == tok.apply_chat_template([{"role": "user", "content": "Hi\nthere"}])
+    loops = (
+        "{% for m in messages %}[{{ m.role }}]{% for p in m['content'] %}({{ p.text }}){% endfor %}"
+        "{% endfor %}"
+    )
+    msgs = [{"role": "user", "content": parts}, {"role": "user", "content": "Yo"},
+            {"role": "assistant", "content": None}]  # fmt: skip
+    assert (
+        tok.apply_chat_template(msgs, chat_template=loops)
+        == "[user](Hi)(there)[user](Yo)[assistant]"
+    )
+    no_text = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
+    assert tok.apply_chat_template(no_text, add_generation_prompt=False).endswith(
+        "<|im_start|>assistant\n<|im_end|>\n"
+    )
     with pytest.raises(ValueError, match="image_url"):
         tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
 
