@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,9 @@ class LLM:
             self.client = DPClient(self.config, data_parallel_size)
         else:
             self.client = SyncMPClient(self.config)
+        # NOTE: an LLM dropped without shutdown() stops its engine when it is collected (or at
+        # exit); the client cannot do this itself, since its receiver thread keeps it reachable.
+        self._stop_engine = weakref.finalize(self, self.client.shutdown)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # NOTE: the newest output of every request in flight, whoever pumped it: a stream paused
@@ -238,7 +242,8 @@ class LLM:
         self.client.call_utility("wake_up")
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        """Stop the engine (once; later calls do nothing)."""
+        self._stop_engine()
 
     def __enter__(self) -> LLM:
         return self

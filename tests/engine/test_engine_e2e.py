@@ -489,6 +489,21 @@ def test_llm_stream_never_yields_text_a_stop_string_takes_back():
     assert "".join(pieces) == whole and stop not in whole
 
 
+def test_an_llm_dropped_without_shutdown_stops_its_engine():
+    """An appliance that forgets shutdown() must not keep an engine process per LLM it made."""
+    import gc
+
+    from shm_engine import LLM
+
+    llm = LLM(dtype=DTYPE, num_kv_blocks=64)
+    proc, client = llm.client.proc, llm.client
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs
+    del llm
+    gc.collect()
+    assert proc.wait(timeout=10) == 0  # shut down, not killed
+    assert client.is_dead and not client._receiver.is_alive()
+
+
 def test_llm_stream_paused_while_generate_runs_still_ends():
     # generate() pumps the engine for everyone: the paused stream's outputs, its last one
     # included, wait for it instead of being dropped (the stream used to block forever).
