@@ -348,10 +348,17 @@ class AsyncMPClient(SyncMPClient):
     captured at construction, so build the client inside the loop that will consume it.
     """
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup_timeout: float = 300.0,
+        engine_index: int = 0,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        """``loop``: the consuming loop, for a client built in another thread (replicas)."""
+        self._loop = loop or asyncio.get_running_loop()
         self._aqueue: asyncio.Queue = asyncio.Queue()
-        super().__init__(config, startup_timeout)
+        super().__init__(config, startup_timeout, engine_index=engine_index)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         try:

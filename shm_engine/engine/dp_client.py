@@ -2,26 +2,31 @@
 
 Each replica is a full EngineCoreProc with its own channel; the client sends each new request to
 the replica with the fewest unfinished requests (it sees every output, so the counts are exact),
-keeps aborts with the request's owner and merges all outputs into one queue. Each request runs
+keeps aborts with the request's owner and merges all outputs into one stream. Each request runs
 under an id of its own in its replica (``<id>#<n>``), so a late output of an aborted request can
 never be taken for a later request that reuses the id. Replicas of a dense
 model need no step synchronisation, so there are no vLLM-style "waves". One dead replica makes
 the whole client dead: a frontend cannot silently lose a share of its requests.
+
+``DPClient`` serves the blocking ``LLM``; ``AsyncDPClient`` the server's ``AsyncLLM``. Both route
+through one ``ReplicaRouter``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import queue
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
-from shm_engine.engine.client import EngineDeadError, SyncMPClient, _typed
+from shm_engine.engine.client import AsyncMPClient, EngineDeadError, SyncMPClient, _typed
 from shm_engine.engine.config import EngineConfig
-from shm_engine.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from shm_engine.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
 def split_cores(n: int) -> list[list[int]]:
@@ -32,41 +37,62 @@ def split_cores(n: int) -> list[list[int]]:
     return [cores[i * per : (i + 1) * per] for i in range(n)]
 
 
-class DPClient:
-    def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
-        self.outputs: queue.Queue = queue.Queue()
-        configs = [
-            msgspec.structs.replace(config, cpu_ids=cores, num_threads=len(cores))
-            for cores in split_cores(data_parallel_size)
-        ]
-        # Replicas load their models concurrently.
-        with ThreadPoolExecutor(data_parallel_size) as pool:
-            futures = [
-                pool.submit(SyncMPClient, cfg, engine_index=i, outputs=self.outputs)
-                for i, cfg in enumerate(configs)
-            ]
-            errors = [f.exception() for f in futures]
-        self.engines = [f.result() for f in futures if f.exception() is None]
-        if any(errors):
-            self.shutdown()
-            raise next(e for e in errors if e is not None)
-        self.ready = self.engines[0].ready
+def replica_configs(config: EngineConfig, n: int) -> list[EngineConfig]:
+    """One configuration a replica, each pinned to its own share of the cores."""
+    return [
+        msgspec.structs.replace(config, cpu_ids=cores, num_threads=len(cores))
+        for cores in split_cores(n)
+    ]
+
+
+def start_replicas(configs: list[EngineConfig], start: Callable[[EngineConfig, int], Any]) -> list:
+    """Start every replica at once (they load their models concurrently); all or none."""
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = [pool.submit(start, cfg, i) for i, cfg in enumerate(configs)]
+        errors = [f.exception() for f in futures]
+    engines = [f.result() for f in futures if f.exception() is None]
+    if any(errors):
+        for e in engines:
+            e.shutdown()
+        raise next(e for e in errors if e is not None)
+    return engines
+
+
+def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The replicas' scheduler stats as one engine's (KV usage: the mean, the caches are equal)."""
+    return SchedulerStats(
+        num_running=sum(s.num_running for s in stats),
+        num_waiting=sum(s.num_waiting for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        step_count=sum(s.step_count for s in stats),
+    )
+
+
+class ReplicaRouter:
+    """Which replica runs each request, under which id; the load each replica carries."""
+
+    def __init__(self, num_replicas: int) -> None:
         self.owner: dict[str, tuple[int, str]] = {}  # user id -> (replica, id in the replica)
-        self.load = [0] * len(self.engines)
+        self.load = [0] * num_replicas
         self._seq = itertools.count()
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def route(self, request: EngineCoreRequest) -> tuple[int, EngineCoreRequest]:
+        """The least loaded replica and the request under its replica id."""
         rid = request.request_id
         if rid in self.owner:
             # Another replica would run it twice; the owning one would fail the original.
             raise ValueError(f"duplicate request_id {rid!r}")
-        i = min(range(len(self.engines)), key=self.load.__getitem__)
+        i = min(range(len(self.load)), key=self.load.__getitem__)
         inner = f"{rid}#{next(self._seq)}"
-        self.engines[i].add_request(msgspec.structs.replace(request, request_id=inner))
         self.owner[rid] = (i, inner)
         self.load[i] += 1
+        return i, msgspec.structs.replace(request, request_id=inner)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def split_aborts(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """Forget the requests; their replica ids, by replica."""
         per_engine: dict[int, list[str]] = {}
         for rid in request_ids:
             entry = self.owner.pop(rid, None)
@@ -74,25 +100,10 @@ class DPClient:
                 i, inner = entry
                 self.load[i] -= 1
                 per_engine.setdefault(i, []).append(inner)
-        # NOTE: every replica gets its aborts before any error is raised: one dead replica
-        # stopped the loop, and the live ones ran the forgotten requests to max_tokens.
-        errors = []
-        for i, ids in per_engine.items():
-            try:
-                self.engines[i].abort_requests(ids)
-            except EngineDeadError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        return per_engine
 
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        try:
-            item = self.outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, EngineDeadError):
-            self.outputs.put(item)
-            raise item
+    def translate(self, item: EngineCoreOutputs) -> EngineCoreOutputs:
+        """A replica's outputs under the caller's ids; finished requests are released."""
         ids = item.request_ids
         ended = [ids[row] for row in item.finished] + [e.request_id for e in item.errors]
         item.request_ids = [self._user_id(inner) for inner in ids]
@@ -118,6 +129,51 @@ class DPClient:
         if rid is not None:
             self.load[self.owner.pop(rid)[0]] -= 1
 
+
+def _abort_everywhere(engines: list, per_engine: dict[int, list[str]]) -> None:
+    # NOTE: every replica gets its aborts before any error is raised: one dead replica
+    # stopped the loop, and the live ones ran the forgotten requests to max_tokens.
+    errors = []
+    for i, ids in per_engine.items():
+        try:
+            engines[i].abort_requests(ids)
+        except EngineDeadError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+class DPClient:
+    def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
+        self.outputs: queue.Queue = queue.Queue()
+        self.engines: list[SyncMPClient] = start_replicas(
+            replica_configs(config, data_parallel_size),
+            lambda cfg, i: SyncMPClient(cfg, engine_index=i, outputs=self.outputs),
+        )
+        self.ready = self.engines[0].ready
+        self.router = ReplicaRouter(len(self.engines))
+
+    @property
+    def is_dead(self) -> bool:
+        return any(e.is_dead for e in self.engines)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        i, request = self.router.route(request)
+        self.engines[i].add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        _abort_everywhere(self.engines, self.router.split_aborts(request_ids))
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        try:
+            item = self.outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, EngineDeadError):
+            self.outputs.put(item)
+            raise item
+        return self.router.translate(item)
+
     def call_utility(self, method: str, *args: Any) -> list[Any]:
         """Call on every replica; returns one result per replica."""
         futures = [e.call_utility_async(method, *args) for e in self.engines]
@@ -132,3 +188,67 @@ class DPClient:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class AsyncDPClient:
+    """DPClient for one asyncio loop: what AsyncLLM needs of an AsyncMPClient, over N replicas.
+
+    A task a replica forwards its outputs to one queue, tagged with the replica, so each step's
+    piggybacked scheduler stats update that replica's share of the merged stats.
+    """
+
+    def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
+        loop = asyncio.get_running_loop()
+        # Blocks the loop while the replicas load: fine at startup, nothing is served yet.
+        self.engines: list[AsyncMPClient] = start_replicas(
+            replica_configs(config, data_parallel_size),
+            lambda cfg, i: AsyncMPClient(cfg, engine_index=i, loop=loop),
+        )
+        self.ready = self.engines[0].ready
+        self.router = ReplicaRouter(len(self.engines))
+        self.stats = [SchedulerStats() for _ in self.engines]
+        self._merged: asyncio.Queue = asyncio.Queue()
+        self._forwarders = [
+            loop.create_task(self._forward(i, e), name=f"replica-{i}-outputs")
+            for i, e in enumerate(self.engines)
+        ]
+
+    async def _forward(self, i: int, engine: AsyncMPClient) -> None:
+        try:
+            while True:
+                self._merged.put_nowait((i, await engine.get_output_async()))
+        except EngineDeadError as e:
+            self._merged.put_nowait((i, e))
+
+    @property
+    def is_dead(self) -> bool:
+        return any(e.is_dead for e in self.engines)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        i, request = self.router.route(request)
+        self.engines[i].add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        _abort_everywhere(self.engines, self.router.split_aborts(request_ids))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        i, item = await self._merged.get()
+        if isinstance(item, EngineDeadError):
+            self._merged.put_nowait((i, item))
+            raise item
+        if item.scheduler_stats is not None:
+            self.stats[i] = item.scheduler_stats
+            item.scheduler_stats = merge_stats(self.stats)
+        return self.router.translate(item)
+
+    async def call_utility_coro(self, method: str, *args: Any) -> Any:
+        """Call on every replica: get_stats merged, other methods one result per replica."""
+        results = await asyncio.gather(*(e.call_utility_coro(method, *args) for e in self.engines))
+        if method == "get_stats":
+            self.stats = list(results)
+            return merge_stats(self.stats)
+        return results
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()

@@ -23,6 +23,7 @@ import numpy as np
 
 from shm_engine.engine.client import AsyncMPClient, EngineDeadError
 from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.dp_client import AsyncDPClient
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest, SchedulerStats
 from shm_engine.sampling_params import SamplingParams
@@ -124,7 +125,7 @@ class AsyncLLM:
     (the client binds to the running loop).
     """
 
-    def __init__(self, client: AsyncMPClient, tokenizer, model_name: str) -> None:
+    def __init__(self, client: AsyncMPClient | AsyncDPClient, tokenizer, model_name: str) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -139,13 +140,18 @@ class AsyncLLM:
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name="engine-pump")
 
     @classmethod
-    async def create(cls, config: EngineConfig, model_name: str | None = None) -> AsyncLLM:
+    async def create(
+        cls, config: EngineConfig, model_name: str | None = None, data_parallel_size: int = 1
+    ) -> AsyncLLM:
         from shm_engine.model.loader import load_model
 
         # NOTE: load_model is lazy; only metadata and the tokenizer are read in this process.
         tokenizer = load_model(config.model).tokenizer
         # Blocks the loop while the engine loads the model: fine at startup, nothing is served yet.
-        client = AsyncMPClient(config)
+        if data_parallel_size > 1:
+            client = AsyncDPClient(config, data_parallel_size)
+        else:
+            client = AsyncMPClient(config)
         return cls(client, tokenizer, model_name or client.ready.model_name)
 
     # ------------------------------------------------------------------ state

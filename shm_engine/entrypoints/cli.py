@@ -158,9 +158,11 @@ def serve_config(args):
 
 
 def cmd_serve(args) -> int:
+    from shm_engine.engine.dp_client import split_cores
     from shm_engine.entrypoints.openai_server import serve
 
     config = serve_config(args)
+    split_cores(args.data_parallel_size)  # too many replicas: one line now, not a failed startup
     serve(
         config,
         host=args.host,
@@ -168,8 +170,16 @@ def cmd_serve(args) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         access_log=args.access_log,
+        data_parallel_size=args.data_parallel_size,
     )
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def cmd_bench(args) -> int:
@@ -228,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        help="engine replicas, each pinned to its share of the cores",
+    )
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser(

@@ -749,7 +749,9 @@ async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
 # --------------------------------------------------------------------------- the app
 
 
-def build_app(config: EngineConfig, served_model_name: str | None = None) -> HotRoutes:
+def build_app(
+    config: EngineConfig, served_model_name: str | None = None, data_parallel_size: int = 1
+) -> HotRoutes:
     """The ASGI app; the engine starts in its lifespan and stops with it.
 
     Lifespan startup runs before uvicorn binds, so the port opens once the model is loaded.
@@ -760,7 +762,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Hot
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await AsyncLLM.create(config, served_model_name)
+        engine = await AsyncLLM.create(config, served_model_name, data_parallel_size)
         metrics = ServerMetrics(engine.model_name)
         engine.on_finished = metrics.observe_finished
         app.state.server = OpenAIServer(engine, metrics, engine.model_name)
@@ -869,10 +871,11 @@ def serve(
     served_model_name: str | None = None,
     log_level: str = "info",
     access_log: bool = False,
+    data_parallel_size: int = 1,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(config, served_model_name)
+    app = build_app(config, served_model_name, data_parallel_size)
     uv = uvicorn.Config(
         app,
         host=host,

@@ -8,7 +8,7 @@ import pytest
 from shm_engine.engine import dp_client
 from shm_engine.engine.client import EngineDeadError
 from shm_engine.engine.config import EngineConfig
-from shm_engine.engine.protocol import EngineCoreRequest
+from shm_engine.engine.protocol import EngineCoreRequest, SchedulerStats
 from shm_engine.sampling_params import SamplingParams
 
 
@@ -45,4 +45,14 @@ def test_an_abort_reaches_the_live_replicas_when_one_is_dead(monkeypatch) -> Non
     dead.dead = True
     with pytest.raises(EngineDeadError):
         client.abort_requests(["a", "b"])
-    assert not live.running and client.load == [0, 0]
+    assert not live.running and client.router.load == [0, 0]
+
+
+def test_replica_stats_merge_as_one_engines() -> None:
+    a = SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=10,
+                       prefix_cache_hits=4, num_preemptions=1, step_count=7)  # fmt: skip
+    b = SchedulerStats(num_running=1, kv_cache_usage=0.25, prefix_cache_queries=6, step_count=3)
+    assert dp_client.merge_stats([a, b]) == SchedulerStats(
+        num_running=3, num_waiting=1, kv_cache_usage=0.375, prefix_cache_queries=16,
+        prefix_cache_hits=4, num_preemptions=1, step_count=10,
+    )  # fmt: skip

@@ -585,7 +585,7 @@ def test_data_parallel_replicas_share_the_work():
         for _ in range(10):
             out = c.get_output(timeout=0.2)
             late += out.request_ids.count("X") if out else 0
-        assert late <= 2 and c.load == [0, 0]
+        assert late <= 2 and c.router.load == [0, 0]
     assert len(stats) == 2 and all(s.step_count > 0 for s in stats)
     assert affinities[0] and affinities[1] and not set(affinities[0]) & set(affinities[1])
     single = LLM(dtype=DTYPE, num_kv_blocks=128, in_process=True)

@@ -40,7 +40,7 @@ def free_port() -> int:
 class LiveServer:
     """One ``shm-engine serve`` process; ``url`` is its base URL."""
 
-    def __init__(self, log_path: Path, kv_cache_mib: int = 32) -> None:
+    def __init__(self, log_path: Path, kv_cache_mib: int = 32, extra_args: tuple = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm_before = shm_entries()
@@ -64,6 +64,7 @@ class LiveServer:
                 DTYPE,
                 "--log-level",
                 "warning",
+                *extra_args,
             ],  # fmt: skip
             stdout=self.log,
             stderr=subprocess.STDOUT,

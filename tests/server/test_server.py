@@ -6,6 +6,7 @@ the shutdown test runs last and stops it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -17,6 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 512  # what conftest starts the server with
+DTYPE = os.environ.get("SHM_ENGINE_TEST_DTYPE", "int8")
 
 
 @pytest.fixture(scope="module")
@@ -400,5 +402,42 @@ def test_engine_death_then_sigint(make_server) -> None:
     assert httpx.get(srv.url + "/v1/models").status_code == 200
     assert srv.stop(signal.SIGINT, timeout=30) == 0
     _, alive = psutil.wait_procs([engine, *srv.children], timeout=10)
+    assert not alive
+    assert not srv.leaked_shm()
+
+
+def test_data_parallel_server(make_server) -> None:
+    """--data-parallel-size 2: two engines share the requests and answer as one engine does; one
+    replica dying makes the whole server answer 503, and it still stops cleanly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shm_engine import LLM, SamplingParams
+
+    srv = make_server(extra_args=("--data-parallel-size", "2"))
+    engines = [p for p in srv.children if "EngineCore" in " ".join(p.cmdline())]
+    assert len(engines) == 2
+    busy = [e.cpu_times().user for e in engines]
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(6)]
+
+    def complete(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(complete, prompts))
+    wait_idle(srv)  # the merged gauges come back to zero
+    assert all(e.cpu_times().user > b + 0.05 for e, b in zip(engines, busy, strict=True))
+    params = SamplingParams(max_tokens=12, temperature=0)
+    with LLM(dtype=DTYPE, num_kv_blocks=64, in_process=True) as llm:
+        ref = llm.generate(prompts, params, use_tqdm=False)
+    assert texts == [r.outputs[0].text for r in ref]
+    engines[1].kill()
+    deadline = time.monotonic() + 2
+    while httpx.get(srv.url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "health did not notice the dead replica"
+        time.sleep(0.05)
+    assert srv.stop(signal.SIGTERM, timeout=30) == 0
+    _, alive = psutil.wait_procs(engines, timeout=10)
     assert not alive
     assert not srv.leaked_shm()
