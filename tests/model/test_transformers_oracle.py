@@ -3,8 +3,8 @@
 Tiny random models are built and saved by transformers itself (so config.json, tensor names,
 dtypes, tying and sharding are exactly what it writes), loaded by our loader, and run through
 the fp32 reference, the paged fp32 TorchLlama and the int8 Int8Llama; their logits must match
-transformers' eager forward of the same files. The embedded SmolLM2 GGUF tokenizer is checked
-against transformers' own GGUF tokenizer conversion.
+transformers' eager forward of the same files. The embedded SmolLM2 GGUF, weights and tokenizer,
+is checked against transformers' own reading of the file.
 """
 
 from __future__ import annotations
@@ -184,6 +184,24 @@ def test_logits_match_transformers(
     e8 = rel_err(int8, expected[:n])
     assert e8 < INT8_BOUND, e8
     print(f"\n{variant}: fp32 max-rel {errs}, int8 rel {e8:.2e} over {n} tokens")
+
+
+@pytest.mark.slow
+def test_embedded_gguf_logits_match_transformers_reading_the_same_file(
+    smollm: LoadedModel, smollm_ref: ReferenceModel, smollm_path: Path
+) -> None:
+    """transformers reads the embedded GGUF on its own (its dequantisation, its undoing of
+    llama.cpp's Q/K permutation, its config mapping): our fp32 forward of the file agrees."""
+    pytest.importorskip("accelerate")  # transformers loads GGUF models through it
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm_path.parent, gguf_file=smollm_path.name, dtype=torch.float32
+    ).eval()
+    ids = smollm.tokenizer.encode(" ".join(TEXTS[:12]))
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+        ours = smollm_ref.forward(ids)
+    assert len(ids) > 150 and max_rel(ours, expected) <= FP32_BOUND  # measured ~2e-6
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
 # ---------------------------------------------------------------------- GGUF tokenizer
