@@ -15,6 +15,7 @@ through one ``ReplicaRouter``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
@@ -130,6 +131,15 @@ class ReplicaRouter:
             self.load[self.owner.pop(rid)[0]] -= 1
 
 
+def abort_survivors(engines: list, router: ReplicaRouter) -> None:
+    """A replica died, and with it the client: the live replicas drop their share of the
+    requests, which nobody will read (they had run on to max_tokens at full speed)."""
+    for i, ids in router.split_aborts(list(router.owner)).items():
+        if not engines[i].is_dead:
+            with contextlib.suppress(EngineDeadError):
+                engines[i].abort_requests(ids)
+
+
 def _abort_everywhere(engines: list, per_engine: dict[int, list[str]]) -> None:
     # NOTE: every replica gets its aborts before any error is raised: one dead replica
     # stopped the loop, and the live ones ran the forgotten requests to max_tokens.
@@ -170,6 +180,7 @@ class DPClient:
         except queue.Empty:
             return None
         if isinstance(item, EngineDeadError):
+            abort_survivors(self.engines, self.router)
             self.outputs.put(item)
             raise item
         return self.router.translate(item)
@@ -218,6 +229,7 @@ class AsyncDPClient:
             while True:
                 self._merged.put_nowait((i, await engine.get_output_async()))
         except EngineDeadError as e:
+            abort_survivors(self.engines, self.router)
             self._merged.put_nowait((i, e))
 
     @property

@@ -432,11 +432,28 @@ def test_data_parallel_server(make_server) -> None:
     with LLM(dtype=DTYPE, num_kv_blocks=64, in_process=True) as llm:
         ref = llm.generate(prompts, params, use_tqdm=False)
     assert texts == [r.outputs[0].text for r in ref]
-    engines[1].kill()
+
+    def long_stream(_: int) -> str:
+        body = {"prompt": "Go on and on.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            return [line for line in r.iter_lines() if line.startswith("data:")][-2]
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = pool.map(long_stream, range(4))
+        deadline = time.monotonic() + 30
+        while srv.metric("num_requests_running") < 4:  # two on each replica
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        engines[1].kill()
+        assert all('"error"' in last for last in streams)
     deadline = time.monotonic() + 2
     while httpx.get(srv.url + "/health").status_code != 503:
         assert time.monotonic() < deadline, "health did not notice the dead replica"
         time.sleep(0.05)
+    # The survivor dropped its share of the requests; it had run them on to max_tokens.
+    spent = sum(engines[0].cpu_times()[:2])
+    time.sleep(1.0)
+    assert sum(engines[0].cpu_times()[:2]) - spent < 0.1  # measured 0.0; 0.47 before
     assert srv.stop(signal.SIGTERM, timeout=30) == 0
     _, alive = psutil.wait_procs(engines, timeout=10)
     assert not alive
