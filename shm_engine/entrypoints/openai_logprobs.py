@@ -193,9 +193,13 @@ class LogprobFormatter:
             "text_offset": offsets,
         }
 
-    def prompt(self, out: RequestOutput, text: str, skip_special: bool) -> dict[str, Any]:
+    def prompt(self, out: RequestOutput, text: str, skip_special: bool | None) -> dict[str, Any]:
         """The echoed prompt's tokens in the completions shape (``echo`` with ``logprobs``): the
-        first has no logprob (nothing predicts it), offsets index ``text``."""
+        first has no logprob (nothing predicts it), offsets index ``text``.
+
+        ``skip_special`` None: a special token counts where ``text`` holds it (a text prompt
+        echoed as given holds the special tokens typed in it, not a BOS the tokenizer added).
+        """
         entries = out.prompt_logprobs or []
         cur = LogprobCursor()
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -204,7 +208,10 @@ class LogprobFormatter:
             tokens.append(self.tokens.string(tid))
             token_lps.append(None if lps is None else lps.get(tid))
             tops.append(None if lps is None else self._top_dict(lps))
-            offsets.append(self.advance(text, cur, tid, skip_special))
+            skip = skip_special
+            if skip is None:
+                skip = not text.startswith(self.tokens.string(tid), cur.offset)
+            offsets.append(self.advance(text, cur, tid, skip))
         return {
             "tokens": tokens,
             "token_logprobs": token_lps,

@@ -472,15 +472,16 @@ class OpenAIServer:
                              "finish_reason": "length", "stop_reason": None})  # fmt: skip
         return ends
 
-    def _echo(self, p: _Prompt) -> tuple[str, bool]:
+    def _echo(self, p: _Prompt) -> tuple[str, bool | None]:
         """The echoed prompt, and whether its logprobs' offsets skip special tokens.
 
         NOTE: the text and the offsets follow one rule, or offsets index the wrong characters: a
-        text prompt is echoed as given, special tokens' text included; token ids are decoded
-        as the request decodes its output (``skip_special_tokens``).
+        text prompt is echoed as given, with the special tokens typed in it but not a BOS the
+        tokenizer added (None: offsets count a special token where the text holds it); token
+        ids are decoded as the request decodes its output (``skip_special_tokens``).
         """
         if p.text is not None:
-            return p.text, False
+            return p.text, None
         skip = p.params.skip_special_tokens
         return self.tokenizer.decode(p.token_ids, skip_special_tokens=skip), skip
 

@@ -317,3 +317,20 @@ def test_bench_ipc_runs_from_any_directory(tmp_path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "shm-engine bench ipc" in r.stdout and "--quick" in r.stdout
+
+
+def test_echoed_text_prompt_offsets_skip_a_bos_the_tokenizer_added() -> None:
+    """A text prompt is echoed as given: its typed special tokens are in it, a BOS the tokenizer
+    added (as Llama's and Mistral's do) is not, so only the typed ones take characters."""
+    from shm_engine.engine.output_processor import RequestOutput
+    from shm_engine.entrypoints.openai_logprobs import LogprobFormatter, TokenTable
+    from shm_engine.model.loader import load_model
+
+    tok = load_model(None).tokenizer
+    fmt = LogprobFormatter(TokenTable(tok))
+    bos = tok.token_to_id("<|im_start|>")
+    for text, added in [("Hello world", True), ("<|im_start|>Hello world", False)]:
+        ids = ([bos] if added else []) + tok.encode(text, add_special_tokens=False)
+        out = RequestOutput("r", text, ids, [])
+        offsets = fmt.prompt(out, text, None)["text_offset"]
+        assert offsets == ([0, 0, 5] if added else [0, 12, 17]), text
