@@ -343,9 +343,9 @@ class Tokenizer:
     ) -> str:
         """Render the model's own chat template (as text; encode with add_special_tokens=False).
 
-        Message content is handed over as the template expects it (vLLM's content formats): a
-        template that loops over ``message.content`` gets OpenAI-style text parts, any other
-        gets one string, its parts joined by newlines.
+        Content given as OpenAI-style text parts is handed over as the template expects it
+        (vLLM's content formats): as the parts to a template that loops over
+        ``message.content``, else as one string, the parts joined by newlines.
         """
         template, wants_parts = self._compiled(chat_template)
         return template.render(
@@ -389,13 +389,18 @@ def text_parts(content: str | Sequence[Mapping[str, Any]] | None) -> list[dict[s
 
 
 def _for_template(message: Mapping[str, Any], wants_parts: bool) -> dict[str, Any]:
-    """The message with its content in the form the template reads (None as no text)."""
+    """The message with its content in the form the template reads (None as no text).
+
+    NOTE: a string stays a string even for a template that loops over content, as transformers
+    hands it over: such templates test ``content is string`` first, and some (Mistral Small
+    3.x) loop for user turns only but concatenate system and assistant content as strings.
+    """
     content = message.get("content")
-    if wants_parts:
-        return {**message, "content": text_parts(content)}
+    if content is None:
+        return {**message, "content": ""}
     if isinstance(content, str):
         return dict(message)
-    return {**message, "content": content_text(content)}
+    return {**message, "content": text_parts(content) if wants_parts else content_text(content)}
 
 
 def _compile_chat_template(source: str) -> tuple[jinja2.Template, bool]:
