@@ -17,6 +17,11 @@ class Replica:
 
     def __init__(self, config: EngineConfig, engine_index: int, outputs) -> None:
         self.ready, self.dead, self.running = object(), False, set()
+        self.outputs = outputs
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.running.add(request.request_id)
@@ -30,8 +35,7 @@ class Replica:
         pass
 
 
-def test_an_abort_reaches_the_live_replicas_when_one_is_dead(monkeypatch) -> None:
-    # A dead replica's error stopped the loop: the live one ran the forgotten request on.
+def client_with_two_requests(monkeypatch) -> dp_client.DPClient:
     monkeypatch.setattr(dp_client, "SyncMPClient", Replica)
     client = dp_client.DPClient(EngineConfig(), 2)
     params = SamplingParams(max_tokens=4)
@@ -41,10 +45,28 @@ def test_an_abort_reaches_the_live_replicas_when_one_is_dead(monkeypatch) -> Non
                 request_id=rid, prompt_token_ids=np.array([1, 2]), sampling_params=params
             )
         )
+    return client
+
+
+def test_an_abort_reaches_the_live_replicas_when_one_is_dead(monkeypatch) -> None:
+    # A dead replica's error stopped the loop: the live one ran the forgotten request on.
+    client = client_with_two_requests(monkeypatch)
     dead, live = client.engines
     dead.dead = True
     with pytest.raises(EngineDeadError):
         client.abort_requests(["a", "b"])
+    assert not live.running and client.router.load == [0, 0]
+
+
+def test_a_dead_replica_makes_the_live_ones_drop_their_requests(monkeypatch) -> None:
+    # The client is dead with it, so no caller aborts: the survivors ran on to max_tokens.
+    client = client_with_two_requests(monkeypatch)
+    dead, live = client.engines
+    assert live.running
+    dead.dead = True
+    client.outputs.put(EngineDeadError("engine process died"))
+    with pytest.raises(EngineDeadError):
+        client.get_output(timeout=1)
     assert not live.running and client.router.load == [0, 0]
 
 
