@@ -114,11 +114,10 @@ def cmd_chat(args) -> int:
 def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
     """Stream one reply; Ctrl-C stops it (what was said is kept). None if the turn cannot run.
 
-    A conversation grown past the context starts over from its last message.
+    A conversation grown past the context starts over from its last message, if that fits on
+    its own (if not, the message is refused and the conversation kept).
     """
-    tok = llm.get_tokenizer()
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
-    ids = tok.encode(text, add_special_tokens=False)
+    text, ids = _chat_prompt(llm, messages)
     stream = llm.stream({"prompt": text, "prompt_token_ids": ids}, params)
     reply = ""
     try:
@@ -126,7 +125,11 @@ def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
             reply += delta
             print(delta, end="", flush=True)
     except ValueError as e:
-        if reply or len(messages) == 1:
+        if (
+            reply
+            or len(messages) == 1
+            or len(_chat_prompt(llm, messages[-1:])[1]) >= llm.max_model_len
+        ):
             print(f"error: {e}", file=sys.stderr)
             return None
         print("[the conversation no longer fits the context: starting over]", file=sys.stderr)
@@ -137,6 +140,12 @@ def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
         print(" [stopped]", end="")
     print()
     return reply
+
+
+def _chat_prompt(llm, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return text, tok.encode(text, add_special_tokens=False)
 
 
 def serve_config(args):

@@ -62,6 +62,11 @@ class LLM:
         # here (each is cumulative, so the newest is all a consumer needs).
         self._latest: dict[str, RequestOutput] = {}
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence, prompt and output, a request may reach."""
+        return self.client.ready.max_model_len
+
     def get_tokenizer(self):
         return self.tokenizer
 
@@ -159,7 +164,7 @@ class LLM:
                 token_ids = self.tokenizer.encode(text)
             else:
                 check_token_ids(token_ids, self.client.ready.vocab_size)
-        check_prompt_fits(len(token_ids), self.client.ready.max_model_len)
+        check_prompt_fits(len(token_ids), self.max_model_len)
         return text, list(token_ids)
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:

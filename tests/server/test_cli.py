@@ -65,3 +65,23 @@ def test_chat_starts_over_when_the_conversation_outgrows_the_context(monkeypatch
     assert rc == 130 and "Traceback" not in err
     assert "no longer fits the context: starting over" in err
     assert out.count("\n") >= 3  # two replies and the line after Ctrl-C
+
+
+@pytest.mark.slow
+def test_chat_keeps_the_conversation_when_a_message_cannot_fit_even_alone(
+    monkeypatch, capsys
+) -> None:
+    # The refused message never joined the conversation: the earlier turns stay.
+    seen: list[list[str]] = []
+    turn = cli._chat_turn
+
+    def recording_turn(llm, messages, params):
+        seen.append([m["content"] for m in messages])
+        return turn(llm, messages, params)
+
+    monkeypatch.setattr(cli, "_chat_turn", recording_turn)
+    _inputs(monkeypatch, ["My name is Zorblax.", "word " * 200, "What is my name?"])
+    assert cli.main(["chat", "--kv-cache-mib", "2", "--max-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "starting over" not in err and "context length" in err and "Traceback" not in err
+    assert seen[-1][0] == "My name is Zorblax." and seen[-1][-1] == "What is my name?"
