@@ -156,6 +156,10 @@ class SyncMPClient:
                 f"--engine-index={engine_index}",
             ],
             stdin=subprocess.DEVNULL,
+            # NOTE: a process group of its own: a terminal's Ctrl-C goes to the frontend alone,
+            # which decides (chat stops a reply and goes on); it had shut the engine down too.
+            # The engine still ends with its client: it watches the client's liveness socket.
+            process_group=0,
         )
         try:
             self.channel = self._accept(startup_timeout)

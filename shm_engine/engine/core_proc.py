@@ -410,15 +410,28 @@ def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
         pass
     logging.basicConfig(level=os.environ.get("SHM_ENGINE_LOG", "WARNING"))
 
+    stopping = False
+
     def on_signal(signum, frame):
-        raise SystemExit(0)
+        # NOTE: only the first signal ends the busy loop; a later one (Ctrl-C twice, SIGTERM
+        # after SIGINT, a signal as the client hangs up) must not cut short the shutdown, nor
+        # the interpreter's exit after it (it had raised inside torch's atexit callbacks).
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     proc = None
     try:
-        proc = EngineCoreProc(addresses, engine_index)
-        proc.run_busy_loop()
+        try:
+            proc = EngineCoreProc(addresses, engine_index)
+            proc.run_busy_loop()
+        finally:
+            stopping = True
+            for sig in (signal.SIGTERM, signal.SIGINT):  # also through the interpreter's exit
+                signal.signal(sig, signal.SIG_IGN)
     except SystemExit:
         logger.info("engine %d: shutting down on a signal", engine_index)
     except BaseException as e:

@@ -342,6 +342,22 @@ def test_engine_death_is_reported_within_a_second(sig, tokenizer):
     assert shm_entries() <= before
 
 
+def test_a_terminals_ctrl_c_reaches_the_frontend_not_the_engine(capfd):
+    """The engine runs in a process group of its own (chat stops a reply on Ctrl-C and goes on;
+    the engine had been shut down by the same keypress), and a signal that arrives while it
+    is already shutting down is ignored (it had raised inside torch's atexit callbacks)."""
+    for delay in (0.0, 0.003, 0.02):
+        client = SyncMPClient(EngineConfig(dtype=DTYPE, num_kv_blocks=64))
+        pid = client.proc.pid
+        assert os.getpgid(pid) == pid != os.getpgid(0)
+        timer = threading.Timer(delay, os.kill, (pid, signal.SIGINT))
+        timer.start()
+        client.shutdown()
+        timer.join()
+        assert client.proc.returncode == 0
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_sigterm_exits_promptly_when_the_client_stopped_reading():
     """A full output ring must not hold the engine's exit: it flushes only while the client reads."""
     import queue
