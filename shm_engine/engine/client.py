@@ -169,7 +169,7 @@ class SyncMPClient:
             self.channel.send(EngineStartup(config=config))
             ready = self.channel.recv(timeout=startup_timeout)
             if isinstance(ready, EngineDead):
-                raise EngineDeadError(f"engine failed to start: {ready.message}")
+                raise EngineDeadError(ready.message)  # "engine failed to start: ..."
             if not isinstance(ready, EngineReady):
                 raise EngineDeadError(f"bad handshake: {ready!r}")
         except BaseException as e:

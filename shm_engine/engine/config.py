@@ -66,3 +66,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.num_threads:
             return self.num_threads
         return len(self.cpu_ids) if self.cpu_ids else len(os.sched_getaffinity(0))
+
+
+def check_max_model_len(
+    max_model_len: int | None, limit: int, what: str = "the model's context length"
+) -> None:
+    """Refuse a configured context longer than the model can run (positions past its RoPE
+    table, or the training, would come out wrong without an error)."""
+    if max_model_len and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds {what} ({limit} positions)")

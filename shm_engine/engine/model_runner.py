@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.config import EngineConfig, check_max_model_len
 from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
 from shm_engine.model.batch import BatchInputs
@@ -76,10 +76,7 @@ class ModelRunner:
             limit, what = window, "the int8 path's limit for this sliding-window model"
             if not config.max_model_len:
                 logger.info("sliding-window model on the int8 path: max_model_len %d", window)
-        if config.max_model_len and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds {what} ({limit} positions)"
-            )
+        check_max_model_len(config.max_model_len, limit, what)
         # NOTE: never longer than the whole cache holds: a lone sequence that outgrew the cache
         # would preempt itself and be readmitted forever.
         self.max_model_len = min(config.max_model_len or limit, self.num_blocks * self.block_size)

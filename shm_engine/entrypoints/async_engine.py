@@ -26,6 +26,7 @@ from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.dp_client import AsyncDPClient
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest, SchedulerStats
+from shm_engine.model.tokenizer import Tokenizer
 from shm_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -141,12 +142,17 @@ class AsyncLLM:
 
     @classmethod
     async def create(
-        cls, config: EngineConfig, model_name: str | None = None, data_parallel_size: int = 1
+        cls,
+        config: EngineConfig,
+        model_name: str | None = None,
+        data_parallel_size: int = 1,
+        tokenizer: Tokenizer | None = None,
     ) -> AsyncLLM:
+        """``tokenizer``: the model's, if the caller has loaded it already."""
         from shm_engine.model.loader import load_model
 
         # NOTE: load_model is lazy; only metadata and the tokenizer are read in this process.
-        tokenizer = load_model(config.model).tokenizer
+        tokenizer = tokenizer or load_model(config.model).tokenizer
         # Blocks the loop while the engine loads the model: fine at startup, nothing is served yet.
         if data_parallel_size > 1:
             client = AsyncDPClient(config, data_parallel_size)

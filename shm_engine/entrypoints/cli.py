@@ -167,11 +167,18 @@ def serve_config(args):
 
 
 def cmd_serve(args) -> int:
+    from shm_engine.engine.config import check_max_model_len
     from shm_engine.engine.dp_client import split_cores
     from shm_engine.entrypoints.openai_server import serve
+    from shm_engine.model.loader import load_model
 
     config = serve_config(args)
-    split_cores(args.data_parallel_size)  # too many replicas: one line now, not a failed startup
+    # NOTE: mistakes the engine would find only once loaded, behind uvicorn's lifespan
+    # traceback (exit 3), are one line and exit 2 here: too many replicas, a missing or
+    # unreadable model, a context longer than the model's.
+    split_cores(args.data_parallel_size)
+    model = load_model(config.model)  # metadata and tokenizer only (the weights load lazily)
+    check_max_model_len(config.max_model_len, model.config.max_position_embeddings)
     serve(
         config,
         host=args.host,
@@ -180,8 +187,16 @@ def cmd_serve(args) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         data_parallel_size=args.data_parallel_size,
+        tokenizer=model.tokenizer,
     )
     return 0
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -222,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--served-model-name", default=None, help="model id in the API")
     s.add_argument(
         "--max-num-seqs",

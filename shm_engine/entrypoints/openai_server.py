@@ -54,6 +54,7 @@ from shm_engine.entrypoints.openai_protocol import (
     count_chat_messages,
     without_validation_422,
 )
+from shm_engine.model.tokenizer import Tokenizer
 from shm_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -751,7 +752,10 @@ async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
 
 
 def build_app(
-    config: EngineConfig, served_model_name: str | None = None, data_parallel_size: int = 1
+    config: EngineConfig,
+    served_model_name: str | None = None,
+    data_parallel_size: int = 1,
+    tokenizer: Tokenizer | None = None,
 ) -> HotRoutes:
     """The ASGI app; the engine starts in its lifespan and stops with it.
 
@@ -763,7 +767,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await AsyncLLM.create(config, served_model_name, data_parallel_size)
+        engine = await AsyncLLM.create(config, served_model_name, data_parallel_size, tokenizer)
         metrics = ServerMetrics(engine.model_name)
         engine.on_finished = metrics.observe_finished
         app.state.server = OpenAIServer(engine, metrics, engine.model_name)
@@ -873,10 +877,11 @@ def serve(
     log_level: str = "info",
     access_log: bool = False,
     data_parallel_size: int = 1,
+    tokenizer: Tokenizer | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(config, served_model_name, data_parallel_size)
+    app = build_app(config, served_model_name, data_parallel_size, tokenizer)
     uv = uvicorn.Config(
         app,
         host=host,

@@ -21,6 +21,10 @@ from shm_engine.entrypoints import cli
         (["chat", "--top-p", "2"], "top_p must be in"),
         (["serve", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
         (["generate", "hi", "--threads", "-1"], "num_threads must be 0"),
+        # found before the engine starts (they had been a lifespan traceback and exit 3)
+        (["serve", "--model", "/nonexistent"], "does not exist"),
+        (["serve", "--max-model-len", "100000"], "exceeds the model's context length (8192"),
+        (["serve", "-dp", "64"], "64 replicas need at least 64 cores"),
     ],
 )
 def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
@@ -28,6 +32,13 @@ def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"shm-engine {argv[0]}: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "-dp", "0"]])
+def test_argument_errors_exit_2(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and "Traceback" not in capsys.readouterr().err
 
 
 def _inputs(monkeypatch, lines: list[str | type[BaseException]]) -> None:

@@ -106,7 +106,7 @@ def serve_fake(monkeypatch, engine: FakeEngine) -> TestClient:
     app = openai_server.build_app(EngineConfig())
     engine.sent = []
 
-    async def create(config, served_model_name=None, data_parallel_size=1):
+    async def create(config, served_model_name=None, data_parallel_size=1, tokenizer=None):
         return engine
 
     async def recording(scope, receive, send):
