@@ -880,6 +880,10 @@ def serve(
     tokenizer: Tokenizer | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
+    if not 0 <= port <= 65535:
+        # NOTE: uvicorn's bind raises OverflowError for it after the lifespan started the
+        # engine, and the process then never exited.
+        raise ValueError(f"port must be in 0..65535, got {port}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = build_app(config, served_model_name, data_parallel_size, tokenizer)
     uv = uvicorn.Config(
