@@ -131,37 +131,13 @@ class ReplicaRouter:
             self.load[self.owner.pop(rid)[0]] -= 1
 
 
-def abort_survivors(engines: list, router: ReplicaRouter) -> None:
-    """A replica died, and with it the client: the live replicas drop their share of the
-    requests, which nobody will read (they had run on to max_tokens at full speed)."""
-    for i, ids in router.split_aborts(list(router.owner)).items():
-        if not engines[i].is_dead:
-            with contextlib.suppress(EngineDeadError):
-                engines[i].abort_requests(ids)
+class _Replicas:
+    """What both clients do alike over their replicas: route, abort, report liveness, stop."""
 
-
-def _abort_everywhere(engines: list, per_engine: dict[int, list[str]]) -> None:
-    # NOTE: every replica gets its aborts before any error is raised: one dead replica
-    # stopped the loop, and the live ones ran the forgotten requests to max_tokens.
-    errors = []
-    for i, ids in per_engine.items():
-        try:
-            engines[i].abort_requests(ids)
-        except EngineDeadError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
-
-
-class DPClient:
-    def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
-        self.outputs: queue.Queue = queue.Queue()
-        self.engines: list[SyncMPClient] = start_replicas(
-            replica_configs(config, data_parallel_size),
-            lambda cfg, i: SyncMPClient(cfg, engine_index=i, outputs=self.outputs),
-        )
-        self.ready = self.engines[0].ready
-        self.router = ReplicaRouter(len(self.engines))
+    def __init__(self, engines: list[SyncMPClient]) -> None:
+        self.engines = engines
+        self.ready = engines[0].ready
+        self.router = ReplicaRouter(len(engines))
 
     @property
     def is_dead(self) -> bool:
@@ -172,7 +148,39 @@ class DPClient:
         self.engines[i].add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        _abort_everywhere(self.engines, self.router.split_aborts(request_ids))
+        # NOTE: every replica gets its aborts before any error is raised: one dead replica
+        # stopped the loop, and the live ones ran the forgotten requests to max_tokens.
+        errors = []
+        for i, ids in self.router.split_aborts(request_ids).items():
+            try:
+                self.engines[i].abort_requests(ids)
+            except EngineDeadError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _abort_survivors(self) -> None:
+        """A replica died, and with it the client: the live replicas drop their share of the
+        requests, which nobody will read (they had run on to max_tokens at full speed)."""
+        for i, ids in self.router.split_aborts(list(self.router.owner)).items():
+            if not self.engines[i].is_dead:
+                with contextlib.suppress(EngineDeadError):
+                    self.engines[i].abort_requests(ids)
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+
+
+class DPClient(_Replicas):
+    def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
+        self.outputs: queue.Queue = queue.Queue()
+        super().__init__(
+            start_replicas(
+                replica_configs(config, data_parallel_size),
+                lambda cfg, i: SyncMPClient(cfg, engine_index=i, outputs=self.outputs),
+            )
+        )
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         try:
@@ -180,7 +188,7 @@ class DPClient:
         except queue.Empty:
             return None
         if isinstance(item, EngineDeadError):
-            abort_survivors(self.engines, self.router)
+            self._abort_survivors()
             self.outputs.put(item)
             raise item
         return self.router.translate(item)
@@ -190,10 +198,6 @@ class DPClient:
         futures = [e.call_utility_async(method, *args) for e in self.engines]
         return [_typed(method, f.result(timeout=300)) for f in futures]
 
-    def shutdown(self) -> None:
-        for e in self.engines:
-            e.shutdown()
-
     def __enter__(self) -> DPClient:
         return self
 
@@ -201,7 +205,7 @@ class DPClient:
         self.shutdown()
 
 
-class AsyncDPClient:
+class AsyncDPClient(_Replicas):
     """DPClient for one asyncio loop: what AsyncLLM needs of an AsyncMPClient, over N replicas.
 
     A task a replica forwards its outputs to one queue, tagged with the replica, so each step's
@@ -211,12 +215,12 @@ class AsyncDPClient:
     def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
         loop = asyncio.get_running_loop()
         # Blocks the loop while the replicas load: fine at startup, nothing is served yet.
-        self.engines: list[AsyncMPClient] = start_replicas(
-            replica_configs(config, data_parallel_size),
-            lambda cfg, i: AsyncMPClient(cfg, engine_index=i, loop=loop),
+        super().__init__(
+            start_replicas(
+                replica_configs(config, data_parallel_size),
+                lambda cfg, i: AsyncMPClient(cfg, engine_index=i, loop=loop),
+            )
         )
-        self.ready = self.engines[0].ready
-        self.router = ReplicaRouter(len(self.engines))
         self.stats = [SchedulerStats() for _ in self.engines]
         self._merged: asyncio.Queue = asyncio.Queue()
         self._forwarders = [
@@ -229,19 +233,8 @@ class AsyncDPClient:
             while True:
                 self._merged.put_nowait((i, await engine.get_output_async()))
         except EngineDeadError as e:
-            abort_survivors(self.engines, self.router)
+            self._abort_survivors()
             self._merged.put_nowait((i, e))
-
-    @property
-    def is_dead(self) -> bool:
-        return any(e.is_dead for e in self.engines)
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        i, request = self.router.route(request)
-        self.engines[i].add_request(request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        _abort_everywhere(self.engines, self.router.split_aborts(request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         i, item = await self._merged.get()
@@ -260,7 +253,3 @@ class AsyncDPClient:
             self.stats = list(results)
             return merge_stats(self.stats)
         return results
-
-    def shutdown(self) -> None:
-        for e in self.engines:
-            e.shutdown()
