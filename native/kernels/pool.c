@@ -12,6 +12,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,10 +120,21 @@ static int start_workers(int n) {
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
     P.nthreads = 1;
+    /* NOTE: workers are created with asynchronous signals blocked (a thread inherits its
+     * creator's mask), so the kernel delivers SIGINT / SIGTERM to a Python thread: one taken by
+     * a worker does not interrupt a blocking call of Python's main thread (input()).
+     * Fault signals stay deliverable (blocked, a fault would kill the process silently). */
+    sigset_t async_signals, old;
+    sigfillset(&async_signals);
+    const int faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT, SIGSYS};
+    for (size_t k = 0; k < sizeof faults / sizeof faults[0]; k++) sigdelset(&async_signals, faults[k]);
+    pthread_sigmask(SIG_BLOCK, &async_signals, &old);
     for (int i = 1; i < n; i++) {
         if (pthread_create(&P.tids[i], NULL, worker, (void *)(intptr_t)i) != 0) break;
+        pthread_setname_np(P.tids[i], "shmk-worker");
         P.nthreads = i + 1;
     }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     return P.nthreads;
 }
 

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -156,10 +157,6 @@ class SyncMPClient:
                 f"--engine-index={engine_index}",
             ],
             stdin=subprocess.DEVNULL,
-            # NOTE: a process group of its own: a terminal's Ctrl-C goes to the frontend alone,
-            # which decides (chat stops a reply and goes on); it had shut the engine down too.
-            # The engine still ends with its client: it watches the client's liveness socket.
-            process_group=0,
         )
         try:
             self.channel = self._accept(startup_timeout)
@@ -206,6 +203,9 @@ class SyncMPClient:
     def _receive_loop(self) -> None:
         from shm_engine.ipc import IPCError, MalformedMessage
 
+        # NOTE: signals are for the main thread: one the kernel hands this thread (blocked in C)
+        # does not interrupt a blocking call of the main thread, such as chat's input().
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             while True:
                 for msg in self.channel.recv_all(timeout=None):

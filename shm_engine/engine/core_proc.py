@@ -427,6 +427,11 @@ def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
     try:
         try:
             proc = EngineCoreProc(addresses, engine_index)
+            # NOTE: once serving, a terminal's Ctrl-C (sent to the whole process group) is the
+            # frontend's to act on: chat stops a reply and goes on, and had lost its engine to
+            # the same keypress. The engine stops when its clients hang up or on SIGTERM. While
+            # it loads, Ctrl-C still ends it at once (the frontend is giving up on it).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             proc.run_busy_loop()
         finally:
             stopping = True

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from native_kernels.test_kernels_gemm import blocked_signals
 
 from shm_engine.engine.client import EngineDeadError, SyncMPClient, UtilityError
 from shm_engine.engine.config import EngineConfig
@@ -342,15 +343,21 @@ def test_engine_death_is_reported_within_a_second(sig, tokenizer):
     assert shm_entries() <= before
 
 
-def test_a_terminals_ctrl_c_reaches_the_frontend_not_the_engine(capfd):
-    """The engine runs in a process group of its own (chat stops a reply on Ctrl-C and goes on;
-    the engine had been shut down by the same keypress), and a signal that arrives while it
-    is already shutting down is ignored (it had raised inside torch's atexit callbacks)."""
-    for delay in (0.0, 0.003, 0.02):
+def test_a_serving_engine_leaves_ctrl_c_to_its_frontend(capfd):
+    """A terminal's Ctrl-C reaches the whole process group: a serving engine ignores it (chat
+    stops a reply and goes on; it had lost its engine to the same keypress), and a signal that
+    arrives while the engine shuts down is ignored too (it had raised inside torch's atexit
+    callbacks). In the frontend, signals are left to the main thread."""
+    for delay in (None, 0.0, 0.003, 0.02):
         client = SyncMPClient(EngineConfig(dtype=DTYPE, num_kv_blocks=64))
         pid = client.proc.pid
-        assert os.getpgid(pid) == pid != os.getpgid(0)
-        timer = threading.Timer(delay, os.kill, (pid, signal.SIGINT))
+        blocked = blocked_signals(client._receiver.native_id)
+        assert blocked >> (signal.SIGINT - 1) & 1 and blocked >> (signal.SIGTERM - 1) & 1
+        if delay is None:  # serving: Ctrl-C changes nothing
+            os.kill(pid, signal.SIGINT)
+            client.add_request(request("r", [1, 2, 3], max_tokens=2))
+            assert collect(client, {"r"})["r"] and client.proc.poll() is None
+        timer = threading.Timer(delay or 0.0, os.kill, (pid, signal.SIGINT))
         timer.start()
         client.shutdown()
         timer.join()

@@ -1,6 +1,11 @@
 """W8 (group 32) x A16 packing, activation quantisation and GEMM against exact integer / numpy
 references; every dispatch path against the portable one."""
 
+import signal
+import threading
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -410,3 +415,30 @@ def test_pool_survives_fork():
         os._exit(0 if torch.equal(K.linear(x, p), y) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def blocked_signals(tid: int) -> int:
+    """The SigBlk mask of one of this process's threads."""
+    status = Path(f"/proc/self/task/{tid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("SigBlk:")).split()[1], 16)
+
+
+def test_pool_workers_leave_signals_to_python_threads():
+    # A SIGINT taken by a worker would not interrupt a blocking call of Python's main thread.
+    K.set_num_threads(3)
+    K.linear(torch.randn(4, 96), K.PackedLinear.from_float(torch.randn(64, 96)))
+    tasks = Path("/proc/self/task")
+    workers = [
+        int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().strip() == "shmk-worker"
+    ]
+    assert len(workers) == 2
+    for tid in workers:
+        # NOTE: glibc creates a thread with every signal blocked (32 and 33 included) until the
+        # thread itself installs its creator's mask; a worker not yet scheduled shows that one.
+        deadline = time.monotonic() + 5
+        while (mask := blocked_signals(tid)) >> 31 & 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            assert mask >> (sig - 1) & 1, (tid, sig)
+        assert not mask >> (signal.SIGSEGV - 1) & 1  # a fault still reaches faulthandler
+    assert not blocked_signals(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
