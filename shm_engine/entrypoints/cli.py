@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import select
+import signal
 import sys
 import time
 
@@ -94,7 +97,7 @@ def cmd_chat(args) -> int:
     with _build_llm(args) as llm:
         while True:
             try:
-                line = input("> ")
+                line = _read_line("> ")
             except EOFError:
                 print()
                 return 0
@@ -109,6 +112,33 @@ def cmd_chat(args) -> int:
                 messages.pop()
             else:
                 messages.append({"role": "assistant", "content": reply})
+
+
+def _read_line(prompt: str) -> str:
+    """input(prompt), where a Ctrl-C pressed as the prompt appears still interrupts it.
+
+    NOTE: input() blocks in read() once the prompt is out; a SIGINT that lands after Python's
+    last signal check but before that read() is caught but raises nothing until a line comes
+    (the chat hung at its prompt, mostly under load). Waiting first in select() on stdin and a
+    signal wakeup pipe closes that window: a signal that came early leaves a byte in the pipe.
+    """
+    try:
+        fd = sys.stdin.fileno()
+    except (OSError, ValueError):  # no real stdin (a test's replacement): nothing to wait on
+        return input(prompt)
+    print(prompt, end="", flush=True)
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    old = signal.set_wakeup_fd(w)
+    try:
+        while fd not in select.select([fd, r], [], [])[0]:
+            os.read(r, 64)  # a signal arrived; its handler runs as Python resumes
+        return input()
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
 
 
 def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
