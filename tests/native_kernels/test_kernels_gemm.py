@@ -85,6 +85,20 @@ def test_pack_matches_reference(n, k):
     torch.testing.assert_close(p.dequantized(), w, rtol=0, atol=float(amax.max()) / 127 * 0.51)
 
 
+def test_pack_rounds_ties_to_even_and_packs_nan_as_zero():
+    """A group with max |w| 127 has scale exactly 1, so w / s lands on every kind of tie; NaN
+    weights are left out of their group's max and pack as 0."""
+    ties = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.4999998, 127.0]
+    w = torch.zeros(2, 64)
+    w[0, : len(ties)] = torch.tensor(ties)
+    w[1, :4] = torch.tensor([float("nan"), 1.0, -127.0, float("nan")])
+    w[1, 40] = float("nan")
+    q, s = K.PackedLinear.from_float(w).unpack()
+    assert s[0, 0] == 1 and s[1, 0] == 1 and s[1, 1] == 0
+    assert q[0, : len(ties)].tolist() == [0, 2, 2, 0, -2, -2, 126, -126, 3, 127]
+    assert q[1, :4].tolist() == [0, 1, -127, 0] and q[1, 40] == 0
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("m,k", [(1, 1), (1, 576), (3, 7), (5, 130), (13, 64), (64, 9), (67, 33)])
 def test_quantize_rows_exact(path, m, k):
