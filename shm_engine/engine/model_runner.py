@@ -8,6 +8,9 @@ the scheduler reports a request finished.
 from __future__ import annotations
 
 import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -15,31 +18,38 @@ from shm_engine.engine.config import EngineConfig, check_max_model_len
 from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
 from shm_engine.model.batch import BatchInputs
-from shm_engine.model.kv_cache import allocate_kv, kv_bytes_per_block
+from shm_engine.model.kv_cache import KV_CACHE_DTYPES, allocate_kv, kv_bytes_per_block
+from shm_engine.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 
 
-def build_model(config: EngineConfig):
-    """Load weights and build the int8 (native kernels) or fp32 (torch) paged model."""
-    from shm_engine.model.loader import load_model
+def _block_signals() -> None:
+    """Helper threads leave SIGINT/SIGTERM to the main thread, whose handlers act on them."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
-    loaded = load_model(config.model)
+
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's element type for this config (the model's own ``kv_dtype``)."""
+    if config.dtype != "int8":
+        return torch.float32
+    return KV_CACHE_DTYPES["fp16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype]
+
+
+def build_model(config: EngineConfig, loaded: LoadedModel):
+    """Build the int8 (native kernels) or fp32 (torch) paged model from loaded weights."""
     if config.dtype == "int8":
         from shm_engine.model.int8_model import Int8Llama
 
-        kv = "fp16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-        model = Int8Llama(
+        return Int8Llama(
             loaded.config,
             loaded.weights,
             num_threads=config.resolved_threads(),
-            kv_cache_dtype=kv,
+            kv_cache_dtype="fp16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         )
-    else:
-        from shm_engine.model.torch_model import TorchLlama
+    from shm_engine.model.torch_model import TorchLlama
 
-        model = TorchLlama(loaded.config, loaded.weights)
-    return loaded, model
+    return TorchLlama(loaded.config, loaded.weights)
 
 
 class ModelRunner:
@@ -50,22 +60,34 @@ class ModelRunner:
         # milliseconds after every small parallel op and take the cores from the native pool
         # (measured: batch-16 decode steps 15-20% slower).
         torch.set_num_threads(1 if config.dtype == "int8" else config.resolved_threads())
-        if model is None:
-            loaded, model = build_model(config)
-        self.model = model
+        started = time.perf_counter()
+        if loaded is None:
+            loaded = load_model(config.model)  # metadata; the weights are read as they are used
         self.model_config = loaded.config
         self.model_name = str(config.model or "SmolLM2-135M-Instruct")
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids if loaded.tokenizer else ())
         self.eos_token_ids = self.eos_token_ids or loaded.config.eos_token_ids
         self.block_size = config.block_size
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.model.kv_dtype)
+        kv_dtype = model.kv_dtype if model is not None else kv_cache_dtype(config)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, kv_dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
         if self.num_blocks < 1:
             raise ValueError(
                 f"a KV cache budget of {config.kv_cache_bytes} bytes holds no block: one block of "
                 f"{self.block_size} tokens takes {per_block} bytes for this model"
             )
+        # NOTE: the cache is zeroed (its pages faulted in, on huge pages after compaction:
+        # 1.4 s for 512 MiB on a 2-core guest) while the weights are dequantised and packed,
+        # mostly one thread's work. Threads are joined before any error leaves this method.
+        with ThreadPoolExecutor(1, "kv-alloc", _block_signals) as pool:
+            kv_future = pool.submit(
+                allocate_kv, self.model_config, self.num_blocks, self.block_size, kv_dtype
+            )
+            self.model = model if model is not None else build_model(config, loaded)
+            loaded_at = time.perf_counter()
+            self.kv_caches = kv_future.result()
+        kv_wait = time.perf_counter() - loaded_at
         # The RoPE table (and the model's training) end at max_position_embeddings: later
         # positions would come out wrong without an error. The int8 path runs a sliding-window
         # model exactly only within its window (Int8Llama.full_attention_limit).
@@ -80,17 +102,18 @@ class ModelRunner:
         # NOTE: never longer than the whole cache holds: a lone sequence that outgrew the cache
         # would preempt itself and be readmitted forever.
         self.max_model_len = min(config.max_model_len or limit, self.num_blocks * self.block_size)
-        self.kv_caches = None
-        self.allocate_kv_cache()
         from shm_engine.model.sampler import Sampler
 
         self.sampler = Sampler()
         self.sampler_states: dict[str, object] = {}
         logger.info(
-            "model runner: %d KV blocks of %d tokens (%.0f MiB)",
+            "model runner: model built in %.2f s; %d KV blocks of %d tokens (%.0f MiB), "
+            "%.2f s more to allocate",
+            loaded_at - started,
             self.num_blocks,
             self.block_size,
             self.num_blocks * per_block / 2**20,
+            kv_wait,
         )
 
     # ------------------------------------------------------------------ KV cache memory
