@@ -149,10 +149,10 @@ class AsyncLLM:
         tokenizer: Tokenizer | None = None,
     ) -> AsyncLLM:
         """``tokenizer``: the model's, if the caller has loaded it already."""
-        from shm_engine.model.loader import load_model
+        from shm_engine.model.loader import load_model_info
 
-        # NOTE: load_model is lazy; only metadata and the tokenizer are read in this process.
-        tokenizer = tokenizer or load_model(config.model).tokenizer
+        # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
+        tokenizer = tokenizer or load_model_info(config.model).tokenizer
         # Blocks the loop while the engine loads the model: fine at startup, nothing is served yet.
         if data_parallel_size > 1:
             client = AsyncDPClient(config, data_parallel_size)

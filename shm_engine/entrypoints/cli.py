@@ -200,14 +200,14 @@ def cmd_serve(args) -> int:
     from shm_engine.engine.config import check_max_model_len
     from shm_engine.engine.dp_client import split_cores
     from shm_engine.entrypoints.openai_server import serve
-    from shm_engine.model.loader import load_model
+    from shm_engine.model.loader import load_model_info
 
     config = serve_config(args)
     # NOTE: mistakes the engine would find only once loaded, behind uvicorn's lifespan
     # traceback (exit 3), are one line and exit 2 here: too many replicas, a missing or
     # unreadable model, a context longer than the model's.
     split_cores(args.data_parallel_size)
-    model = load_model(config.model)  # metadata and tokenizer only (the weights load lazily)
+    model = load_model_info(config.model)  # config and tokenizer: no weights, no torch
     check_max_model_len(config.max_model_len, model.config.max_position_embeddings)
     serve(
         config,

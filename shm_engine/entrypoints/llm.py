@@ -39,11 +39,11 @@ class LLM:
         data_parallel_size: int = 1,
         **engine_args: Any,
     ):
-        from shm_engine.model.loader import load_model
+        from shm_engine.model.loader import load_model_info
 
         self.config = EngineConfig(model=model, **engine_args)
-        # NOTE: load_model is lazy (weights are read on access), so this only parses metadata.
-        self.tokenizer = load_model(model).tokenizer
+        # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
+        self.tokenizer = load_model_info(model).tokenizer
         if in_process:
             self.client = InprocClient(self.config)
         elif data_parallel_size > 1:

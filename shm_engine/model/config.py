@@ -10,14 +10,20 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Architectures that share the Llama block (pre-norm, RMSNorm, GQA attention, SwiGLU MLP).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# what each supported rope_scaling kind reads (llama3's original context defaults, as in HF)
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        self.inv_freq()  # an unsupported rope_scaling fails here, not after packing the weights
+        self._rope_kind()  # an unsupported rope_scaling fails here, not after packing the weights
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -89,25 +95,36 @@ class ModelConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
+    def _rope_kind(self) -> str:
+        """The RoPE scaling kind, checked without torch (frontends parse configs without it)."""
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+        needs = _ROPE_SCALING_KEYS.get(kind, ())
+        missing = [k for k in needs if k not in scaling]
+        if missing:
+            raise ValueError(f"{kind} rope scaling needs {', '.join(missing)}")
+        for k in needs:
+            float(scaling[k])  # a value that is no number fails here too
+        return kind
+
     def inv_freq(self) -> torch.Tensor:
         """fp32 RoPE inverse frequencies [head_dim // 2], with linear / llama3 scaling applied.
 
         Computed in float64 then cast, so the reference and the native kernels can share bits.
         """
+        import torch
+
         d = self.head_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         if self.rope_freq_factors is not None:
             inv = inv / torch.tensor(self.rope_freq_factors, dtype=torch.float64)
-        scaling = self.rope_scaling or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind in ("default", None):
-            pass
-        elif kind == "linear":
-            inv = inv / float(scaling["factor"])
+        kind = self._rope_kind()
+        if kind == "linear":
+            inv = inv / float(self.rope_scaling["factor"])
         elif kind == "llama3":
-            inv = _llama3_scale(inv, scaling, self.max_position_embeddings)
-        else:
-            raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+            inv = _llama3_scale(inv, self.rope_scaling, self.max_position_embeddings)
         return inv.to(torch.float32)
 
     # ------------------------------------------------------------------ parsing
@@ -283,9 +300,8 @@ def _llama3_scale(inv: torch.Tensor, s: Mapping[str, Any], max_positions: int) -
 
     As in transformers, the original context defaults to `max_positions` (guessing Llama 3's
     8192 gave other models different frequencies, silently) and the factors have no default."""
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in s]
-    if missing:
-        raise ValueError(f"llama3 rope scaling needs {', '.join(missing)}")
+    import torch
+
     factor, low, high = (
         float(s["factor"]),
         float(s["low_freq_factor"]),

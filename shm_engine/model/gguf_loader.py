@@ -10,19 +10,17 @@ the weights match Hugging Face's rotate_half convention.
 from __future__ import annotations
 
 import logging
-import mmap
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize as gguf_dequantize
 
 from .config import ModelConfig
+from .gguf_metadata import FastGGUFReader, read_gguf_info
 from .loader import LoadedModel, WeightSource, check_weights, file_fingerprint
-from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,80 +48,6 @@ _LAYER_NAMES = {
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_freq_factors
-
-
-class _FastReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its memmap.
-
-    Parsing the ~100k tokenizer strings slices the map ~250k times; np.memmap's per-slice
-    __array_finalize__ makes that 2-3x slower than slicing an ndarray that shares the mapping.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        if isinstance(value, np.memmap):
-            self._mmap = getattr(value, "_mmap", None)
-            value = value.view(np.ndarray)
-        self._data = value
-
-    def release(self, offset: int, nbytes: int) -> None:
-        """Drop the file pages of a tensor already copied out, so they leave this process's RSS
-        (the kernel page cache keeps them; a later access faults them back in)."""
-        mm = getattr(self, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise"):
-            return
-        start = offset - offset % mmap.PAGESIZE
-        end = offset + nbytes
-        end -= end % mmap.PAGESIZE  # pages shared with the next tensor stay
-        if end > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-
-def read_gguf(path: str | Path) -> GGUFReader:
-    try:
-        return _FastReader(path)
-    except (AttributeError, TypeError):  # a gguf version that stores data differently
-        return GGUFReader(path)
-
-
-def field_value(field: ReaderField) -> Any:
-    """Decode one metadata field to a Python scalar, str or list (independent of gguf version)."""
-    kind = field.types[0] if field.types else None
-    if kind == GGUFValueType.STRING:
-        return _to_str(field.parts[field.data[0]])
-    if kind == GGUFValueType.ARRAY:
-        sub = field.types[1] if len(field.types) > 1 else None
-        if not field.data:
-            return []
-        if sub == GGUFValueType.STRING:
-            return [_to_str(field.parts[i]) for i in field.data]
-        if sub == GGUFValueType.ARRAY:
-            raise NotImplementedError(f"nested arrays in GGUF field {field.name}")
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    value = field.parts[field.data[0]][0]
-    if kind == GGUFValueType.FLOAT32:
-        # shortest decimal that round-trips the float32: 1e-05, not 9.999999747378752e-06, so a
-        # config read from GGUF equals the config.json it was converted from
-        return float(np.format_float_scientific(value, unique=True, trim="-"))
-    return value.item()
-
-
-def _to_str(part: np.ndarray) -> str:
-    raw = part.tobytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", errors="replace")
-
-
-def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {
-        name: field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")
-    }
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -250,7 +174,7 @@ class GGUFWeights(WeightSource):
     def _load(self, name: str) -> torch.Tensor:
         t = self._tensors[name]
         w = dequantize_tensor(t)
-        if isinstance(self.reader, _FastReader):
+        if isinstance(self.reader, FastGGUFReader):
             self.reader.release(int(t.data_offset), int(t.n_bytes))
         if self._permute:
             if ".self_attn.q_proj." in name:
@@ -262,30 +186,7 @@ class GGUFWeights(WeightSource):
 
 def load_gguf(path: str | Path) -> LoadedModel:
     path = Path(path)
-    try:
-        reader = read_gguf(path)
-    except ValueError as e:  # numpy's reshape/frombuffer errors name neither file nor cause
-        raise ValueError(f"{path}: corrupt or truncated GGUF file: {e}") from e
-    if getattr(reader, "byte_order", "I") != "I":
-        # The dequantizers read little-endian bytes: a big-endian file would load as garbage.
-        raise NotImplementedError(f"{path}: big-endian GGUF files are not supported")
-    meta = gguf_metadata(reader)
-    by_name = {t.name: t for t in reader.tensors}
-    embed = by_name.get("token_embd.weight")
-    if embed is None:
-        raise ValueError(f"{path}: no token_embd.weight tensor")
-    rope_factors = None
-    if "rope_freqs.weight" in by_name:
-        rope_factors = tuple(dequantize_tensor(by_name["rope_freqs.weight"]).tolist())
-    config = ModelConfig.from_gguf_metadata(
-        meta,
-        vocab_size=int(embed.shape[-1]),
-        tie_word_embeddings="output.weight" not in by_name,
-        attention_bias="blk.0.attn_q.bias" in by_name,
-        rope_freq_factors=rope_factors,
-    )
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
-    reader.fields.clear()  # ~250k small arrays (the vocabulary); everything needed is parsed
+    reader, config, tokenizer = read_gguf_info(path)
     weights = GGUFWeights(reader, config)
     check_weights(config, weights, str(path))
     return LoadedModel(

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .hf_metadata import read_hf_info
 from .loader import (
     LoadedModel,
     WeightSource,
@@ -71,7 +72,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def load_hf_dir(path: str | Path) -> LoadedModel:
     path = Path(path)
-    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    config, tokenizer = read_hf_info(path)
     files = _tensor_files(path)
     if config.tie_word_embeddings:
         files.pop("lm_head.weight", None)
@@ -79,9 +80,6 @@ def load_hf_dir(path: str | Path) -> LoadedModel:
         raise ValueError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
     weights = SafetensorsWeights(files, config)
     check_weights(config, weights, str(path))
-    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    if tokenizer.bos_token_id is None and config.bos_token_id is not None:
-        tokenizer.bos_token_id = config.bos_token_id
     fingerprinted = sorted(set(files.values())) + [path / "config.json"]
     fingerprinted += [
         p for p in (path / "tokenizer.json", path / "tokenizer_config.json") if p.is_file()

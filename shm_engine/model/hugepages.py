@@ -10,7 +10,6 @@ before its pages are first touched. Best effort: anything that fails leaves 4 KB
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 import torch
 
@@ -18,7 +17,9 @@ _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 try:
-    _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # NOTE: the process's own symbols (libc's among them); ctypes.util.find_library("c") would
+    # run `ldconfig -p` in a subprocess at every engine start.
+    _LIBC = ctypes.CDLL(None, use_errno=True)
     _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 except (OSError, AttributeError):
     _LIBC = None

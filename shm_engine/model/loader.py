@@ -1,4 +1,5 @@
-"""One entry point for every model source: `load_model(path_or_none) -> LoadedModel`.
+"""One entry point for every model source: `load_model(path_or_none) -> LoadedModel`, and
+`load_model_info` for a frontend (config and tokenizer only, without importing torch).
 
 Weights come back as a lazy, read-only mapping from Hugging Face tensor names to fp32 tensors in
 the HF layout: a tensor is read (and dequantized) from the memory-mapped file when it is asked
@@ -15,17 +16,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import ModelConfig
 from .default_model import default_model_path
 from .tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    import torch
+
 _FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed at each end of every file
 
 
-class WeightSource(Mapping[str, torch.Tensor], ABC):
+class WeightSource(Mapping[str, "torch.Tensor"], ABC):
     """Lazy name -> fp32 tensor mapping; each access reads the tensor anew (nothing is cached)."""
 
     def __init__(self, names: Sequence[str]) -> None:
@@ -70,22 +73,54 @@ class LoadedModel:
     format: str  # "gguf" or "hf"
 
 
-def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
-    """Load a GGUF file or a Hugging Face directory; None means the embedded SmolLM2 GGUF."""
+@dataclass
+class ModelInfo:
+    """What a frontend needs of a model: read without its weights and without importing torch."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    format: str  # "gguf" or "hf"
+
+
+def resolve_model_path(path: str | os.PathLike[str] | None) -> tuple[Path, str]:
+    """The GGUF file or HF directory a model argument names, and its format."""
     p = default_model_path() if path is None else Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {p} does not exist")
-    if p.is_dir():
-        if (p / "config.json").is_file():
-            from .hf_loader import load_hf_dir
+    if not p.is_dir():
+        return p, "gguf"
+    if (p / "config.json").is_file():
+        return p, "hf"
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise ValueError(
+            f"{p} is neither a Hugging Face directory (config.json) nor holds exactly one .gguf"
+        )
+    return ggufs[0], "gguf"
 
-            return load_hf_dir(p)
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ValueError(
-                f"{p} is neither a Hugging Face directory (config.json) nor holds exactly one .gguf"
-            )
-        p = ggufs[0]
+
+def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:
+    """The config and tokenizer of a GGUF file or HF directory (None: the embedded SmolLM2)."""
+    p, fmt = resolve_model_path(path)
+    if fmt == "hf":
+        from .hf_metadata import read_hf_info
+
+        config, tokenizer = read_hf_info(p)
+    else:
+        from .gguf_metadata import read_gguf_info
+
+        _, config, tokenizer = read_gguf_info(p)
+    return ModelInfo(config=config, tokenizer=tokenizer, path=p, format=fmt)
+
+
+def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory; None means the embedded SmolLM2 GGUF."""
+    p, fmt = resolve_model_path(path)
+    if fmt == "hf":
+        from .hf_loader import load_hf_dir
+
+        return load_hf_dir(p)
     from .gguf_loader import load_gguf
 
     return load_gguf(p)

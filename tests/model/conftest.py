@@ -180,8 +180,10 @@ def write_tiny_gguf(
     config: ModelConfig,
     weights: dict[str, torch.Tensor],
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    rope_freqs: np.ndarray | None = None,
 ) -> Path:
-    """Write a GGUF like llama.cpp's converter: metadata, permuted Q/K, matrices in `qtype`."""
+    """Write a GGUF like llama.cpp's converter: metadata, permuted Q/K, matrices in `qtype`,
+    and Llama 3's RoPE divisors as `rope_freqs.weight` if given."""
     arch = config.architecture
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
@@ -223,6 +225,8 @@ def write_tiny_gguf(
             w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, np.ascontiguousarray(a))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

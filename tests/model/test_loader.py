@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,9 +18,15 @@ from safetensors.torch import save_file
 
 from shm_engine.model import default_model
 from shm_engine.model.config import ModelConfig
-from shm_engine.model.gguf_loader import GGUFWeights, dequantize_tensor, read_gguf, unpermute_qk
+from shm_engine.model.gguf_loader import GGUFWeights, dequantize_tensor, unpermute_qk
+from shm_engine.model.gguf_metadata import read_gguf
 from shm_engine.model.hf_loader import save_hf_model
-from shm_engine.model.loader import LoadedModel, expected_weight_names, load_model
+from shm_engine.model.loader import (
+    LoadedModel,
+    expected_weight_names,
+    load_model,
+    load_model_info,
+)
 from shm_engine.model.reference import ReferenceModel
 
 from .conftest import llama_cpp_permute, tiny_config, tiny_weights, write_tiny_gguf
@@ -44,6 +52,45 @@ def test_dequantize_matches_gguf_package(tmp_path: Path, qtype: Q) -> None:
     assert ours.shape == a.shape and ours.dtype == torch.float32
     assert np.array_equal(ours.numpy(), ref)
     assert np.abs(ours.numpy() - a).max() < 3 * np.abs(a).max() / 8  # it is the same tensor
+
+
+def test_metadata_reads_as_the_gguf_package_reads_it(tmp_path: Path) -> None:
+    """Our one-pass array reading gives the package's fields part for part (every scalar type,
+    strings empty or not ASCII, nested arrays), and a file cut inside an array is an error."""
+    V = gguf.GGUFValueType
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    w.add_string("s", "héllo")
+    w.add_key_value("words", ["", "a", "ü€😀", "x" * 300, "\x00z"], V.ARRAY, V.STRING)
+    for i, vt in enumerate(t for t in V if t not in (V.STRING, V.ARRAY)):
+        vals = [True, False, True] if vt == V.BOOL else [0, 1, 7, 100]
+        if vt in (V.FLOAT32, V.FLOAT64):
+            vals = [-1.5, 0.25, 3e30, float("nan")]
+        w.add_key_value(f"a{i}", vals, V.ARRAY, vt)
+    w.add_key_value("nested", [[1, 2], [3]], V.ARRAY)
+    w.add_key_value("big", list(range(5000)), V.ARRAY, V.INT32)
+    w.add_tensor("t", np.ones((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = read_gguf(tmp_path / "m.gguf"), gguf.GGUFReader(tmp_path / "m.gguf")
+    assert list(ours.fields) == list(theirs.fields)
+    for name, a in theirs.fields.items():
+        b = ours.fields[name]
+        assert (b.offset, b.types, b.data, len(b.parts)) == (
+            a.offset,
+            a.types,
+            a.data,
+            len(a.parts),
+        )
+        for x, y in zip(a.parts, b.parts, strict=True):
+            assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+    raw = (tmp_path / "m.gguf").read_bytes()
+    cut = raw.index(b"x" * 300) + 100
+    (tmp_path / "cut.gguf").write_bytes(raw[:cut])
+    with pytest.raises(ValueError):
+        read_gguf(tmp_path / "cut.gguf")
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:
@@ -119,6 +166,35 @@ def test_sharded_safetensors_and_bf16(tmp_path: Path) -> None:
     expected = {n: w.to(torch.bfloat16).float() for n, w in weights.items()}
     _assert_same_weights(m.weights, expected)
     assert m.weights.shape("lm_head.weight") == (config.vocab_size, config.hidden_size)
+
+
+def test_model_info_is_the_loaders_config_and_tokenizer_without_torch(tmp_path: Path) -> None:
+    """Frontends read a model's config and tokenizer through load_model_info: the same as
+    load_model's (a GGUF's RoPE divisors included), and no torch imported on the way."""
+    config = tiny_config()
+    weights = tiny_weights(config)
+    factors = np.linspace(1.0, 8.0, config.head_dim // 2, dtype=np.float32)
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf", config, weights, rope_freqs=factors)
+    hf_dir = tmp_path / "hf"
+    save_hf_model(hf_dir, config, weights)
+    (hf_dir / "tokenizer.json").write_text(_tiny_tokenizer_json())
+    for path in (gguf_path, hf_dir):
+        info, full = load_model_info(path), load_model(path)
+        assert (info.config, info.path, info.format) == (full.config, full.path, full.format)
+        assert info.tokenizer.encode("hello world") == full.tokenizer.encode("hello world")
+        assert info.tokenizer.eos_token_ids == full.tokenizer.eos_token_ids
+    assert load_model_info(gguf_path).config.rope_freq_factors == tuple(factors.tolist())
+    probe = (
+        "import sys\n"
+        "from shm_engine.entrypoints.llm import LLM\n"
+        "from shm_engine.entrypoints.openai_server import build_app\n"
+        "from shm_engine.model.loader import load_model_info\n"
+        "for p in sys.argv[1:]: load_model_info(None if p == '-' else p)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    args = [sys.executable, "-c", probe, "-", str(gguf_path), str(hf_dir)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def _tiny_tokenizer_json() -> str:
