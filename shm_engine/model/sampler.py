@@ -148,9 +148,9 @@ class Sampler:
         prompt_token_ids: Sequence[int] = (),
         eos_token_ids: Sequence[int] = (),
     ) -> SamplingState:
-        stop = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop += list(eos_token_ids)
+        # NOTE: EOS is masked during min_tokens even with ignore_eos, as in vLLM (its EOS joins
+        # all_stop_token_ids either way): ignore_eos only keeps EOS from ending the request.
+        stop = [*params.stop_token_ids, *eos_token_ids]
         return SamplingState(params, prompt_token_ids, tuple(dict.fromkeys(stop)))
 
     @torch.no_grad()

@@ -241,8 +241,10 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert s.sample(logits, [st], [[]]).token_ids.tolist() == [1]
     assert s.sample(logits, [st], [[3]]).token_ids.tolist() == [1]
     assert s.sample(logits, [st], [[3, 3]]).token_ids.tolist() == [0]
+    # ignore_eos keeps EOS from ending the request, not from being masked (vLLM's min_tokens)
     ign = s.new_state(SP(temperature=0.0, min_tokens=2, ignore_eos=True), [], eos_token_ids=[0])
-    assert s.sample(logits, [ign], [[]]).token_ids.tolist() == [0]
+    assert s.sample(logits, [ign], [[]]).token_ids.tolist() == [2]
+    assert s.sample(logits, [ign], [[3, 3]]).token_ids.tolist() == [0]
 
 
 def _run(seed_params: SP, others: list[SP], position: int, steps: int, v: int = 1000) -> list[int]:
