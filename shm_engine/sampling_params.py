@@ -6,6 +6,8 @@ omit_defaults: a request that keeps the defaults costs a few bytes on the wire.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 _GREEDY_EPS = 1e-5
@@ -94,10 +96,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        # as vLLM: any positive finite repetition penalty, any int64 seed (-1: none)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be positive and finite, got {self.repetition_penalty}"
+            )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

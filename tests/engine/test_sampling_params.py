@@ -22,13 +22,22 @@ def test_vllm_spellings_are_normalised() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"n": 0}, "n"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
-     ({"top_k": -2}, "top_k"), ({"seed": -2}, "seed"), ({"logprobs": 21}, "logprobs"),
+     ({"top_k": -2}, "top_k"), ({"seed": 2**63}, "seed"), ({"logprobs": 21}, "logprobs"),
+     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
      ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
      ({"min_tokens": 5, "max_tokens": 4}, "min_tokens")],
 )  # fmt: skip
 def test_invalid_values_name_their_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_vllm_ranges_are_accepted() -> None:
+    """vLLM takes any positive finite repetition penalty and any int64 seed."""
+    assert SamplingParams(repetition_penalty=3.5).repetition_penalty == 3.5
+    for seed in (-2, -(2**63), 2**63 - 1):
+        SamplingParams(seed=seed).check_types()
 
 
 def test_a_field_assigned_the_wrong_type_later_is_caught_before_sending() -> None:
