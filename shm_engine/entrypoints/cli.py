@@ -193,6 +193,7 @@ def serve_config(args):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -290,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="priority: requests' `priority` field orders admission and preemption (lower first)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument(

@@ -1,14 +1,16 @@
 """Request models of the OpenAI-compatible API (pydantic, validated by FastAPI).
 
 Only what changes generation is modelled; unknown fields are ignored, as the OpenAI API tolerates
-new client fields. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...)
-are accepted too, so clients written for vLLM work unchanged. Range checks live in SamplingParams
+new client fields, except vLLM's that this server does not implement (guided decoding, beam search,
+allowed_token_ids, ...): those are refused unless at their defaults. vLLM's extra sampling fields
+(top_k, min_p, repetition_penalty, ignore_eos, priority, cache_salt, ...) are accepted too, so
+clients written for vLLM work unchanged. Range checks live in SamplingParams
 (one place); its ValueError becomes an HTTP 400.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,10 +23,43 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# vLLM request fields this server does not implement, each with the values that change nothing
+# (vLLM's defaults; null always means the default): any other value is refused with a 400, since
+# ignoring it would change what the caller gets without saying so. Other unknown fields are
+# ignored, as the OpenAI API tolerates new client fields.
+_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structural_tag": (),
+    "structured_outputs": (),
+    "logits_processors": ([],),
+    "prompt_embeds": (),
+    "return_tokens_as_token_ids": (False,),
+    "vllm_xargs": ({},),
+}
+_UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "continue_final_message": (False,),
+    "echo": (False,),
+    "add_special_tokens": (False,),
+    "documents": ([],),
+}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: "allow" keeps unknown fields in model_extra, where unsupported vLLM ones are found.
+    model_config = ConfigDict(extra="allow")
+    _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_FIELDS
 
     @model_validator(mode="before")
     @classmethod
@@ -58,9 +93,22 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    # Accepted as vLLM does with fast tokenizers, which leave special tokens' spacing as is.
+    spaces_between_special_tokens: bool = True
+
+    def _check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            harmless = self._unsupported.get(name)
+            if harmless is not None and value not in harmless:
+                raise ValueError(f"{name} is not supported by this server")
+        if self.cache_salt == "":
+            raise ValueError("cache_salt must be a non-empty string if given")
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; raises ValueError (-> 400) for out-of-range values."""
+        self._check_unsupported()
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
         if self.response_format and self.response_format.get("type") != "text":
@@ -97,6 +145,11 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
+    _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_UNSUPPORTED_FIELDS,
+        "add_special_tokens": (True,),
+    }
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -148,6 +201,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_UNSUPPORTED_FIELDS,
+        **_UNSUPPORTED_CHAT_FIELDS,
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

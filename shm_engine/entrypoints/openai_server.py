@@ -131,6 +131,8 @@ class _Prompt:
     token_ids: list[int]
     params: SamplingParams
     request_id: str
+    priority: int = 0
+    cache_salt: str | None = None
     choices: list[_Choice] = field(default_factory=list)
     final: RequestOutput | None = None
     handle: RequestHandle | None = None
@@ -303,7 +305,7 @@ class OpenAIServer:
                     raise bad_request(str(e), "prompt") from None
                 text, ids = None, list(item)
             self.engine.check_prompt(ids, params)
-            prompts.append(_Prompt(text, ids, params, f"{base}-{i}"))
+            prompts.append(_Prompt(text, ids, params, f"{base}-{i}", req.priority, req.cache_salt))
         return prompts
 
     async def _prompt_from_chat(
@@ -318,14 +320,17 @@ class OpenAIServer:
         else:
             text, ids = await asyncio.to_thread(self._render_chat, conversation, add_gen, True)
         self.engine.check_prompt(ids, params)
-        return _Prompt(text, ids, params, f"chatcmpl-{uuid.uuid4().hex[:24]}")
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        return _Prompt(text, ids, params, rid, req.priority, req.cache_salt)
 
     def _start(self, prompts: list[_Prompt]) -> list[RequestHandle]:
         """Send every prompt to the engine before the HTTP response is set up (TTFT)."""
         handles: list[RequestHandle] = []
         try:
             for p in prompts:
-                p.handle = self.engine.add_request(p.text, p.token_ids, p.params, p.request_id)
+                p.handle = self.engine.add_request(
+                    p.text, p.token_ids, p.params, p.request_id, p.priority, p.cache_salt
+                )
                 handles.append(p.handle)
         except BaseException:
             for h in handles:

@@ -85,8 +85,9 @@ class FakeEngine:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"maximum context length is {self.max_model_len} tokens")
 
-    def add_request(self, text, ids, params, request_id) -> FakeHandle:
+    def add_request(self, text, ids, params, request_id, priority=0, cache_salt=None):
         engine = self
+        self.last_request = types.SimpleNamespace(priority=priority, cache_salt=cache_salt)
 
         class Timed(FakeHandle):
             async def outputs(self):
@@ -258,6 +259,47 @@ def test_null_fields_mean_their_defaults(fake) -> None:
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
+        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"bad_words": ["no"]}, "bad_words"),
+        ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
+    ],
+)
+def test_vllm_fields_this_server_lacks_are_refused(fake, path, extra, field) -> None:
+    """Ignoring them would change the result silently (as logit_bias would)."""
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    body = (
+        {"prompt": "hi"}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    r = client.post(path, json={**body, **extra})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_vllm_fields_at_their_defaults_pass_and_priority_reaches_the_engine(fake) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    harmless = {"use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": []}
+    harmless |= {"spaces_between_special_tokens": False, "a_future_openai_field": {"x": 1}}
+    body = {"prompt": "hi", "priority": 3, "cache_salt": "tenant-7", **harmless}
+    r = client.post("/v1/completions", json={**body, "add_special_tokens": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab", r.text
+    assert (engine.last_request.priority, engine.last_request.cache_salt) == (3, "tenant-7")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}
+    r = client.post("/v1/chat/completions", json={**chat, "echo": False, **harmless})
+    assert r.status_code == 200, r.text
+    assert (engine.last_request.priority, engine.last_request.cache_salt) == (0, None)
+
+
 def test_a_failed_prompt_cancels_the_other_prompts_consumers(monkeypatch) -> None:
     # A list of prompts, not streamed: one fails; the others' handles are closed (aborted), so
     # their consumers must be cancelled too, or they wait for outputs forever.
@@ -268,7 +310,7 @@ def test_a_failed_prompt_cancels_the_other_prompts_consumers(monkeypatch) -> Non
             await asyncio.Event().wait()  # a closed handle: nothing wakes it
             yield None  # type: ignore[misc]
 
-    def add_request(text, ids, params, rid) -> FakeHandle:
+    def add_request(text, ids, params, rid, *_) -> FakeHandle:
         handle = Stuck([], 0.0)
         handle.fails = rid.endswith("-0")
         return handle

@@ -181,7 +181,9 @@ def test_serve_flags_reach_the_engine_config() -> None:
 
     argv = ["serve", "--max-num-batched-tokens", "384", "--long-prefill-token-threshold", "64"]
     argv += ["--max-num-seqs", "8", "--kv-cache-mib", "64", "--no-prefix-caching"]
+    argv += ["--scheduling-policy", "priority"]
     config = serve_config(build_parser().parse_args(argv))
+    assert config.scheduling_policy == "priority"
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (384, 64)
     assert (config.max_num_seqs, config.kv_cache_bytes) == (8, 64 << 20)
     assert not config.enable_prefix_caching
