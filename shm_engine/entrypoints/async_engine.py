@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.dp_client import AsyncDPClient
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest, SchedulerStats
-from shm_engine.model.tokenizer import Tokenizer
+from shm_engine.model.loader import ModelInfo
 from shm_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -126,10 +127,18 @@ class AsyncLLM:
     (the client binds to the running loop).
     """
 
-    def __init__(self, client: AsyncMPClient | AsyncDPClient, tokenizer, model_name: str) -> None:
+    def __init__(
+        self,
+        client: AsyncMPClient | AsyncDPClient,
+        tokenizer,
+        model_name: str,
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # what a request leaves unset takes from the model (generation_config.json), as in vLLM
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = client.ready.max_model_len
         self.processor = OutputProcessor(tokenizer)
         self.streams: dict[str, _Stream] = {}
@@ -146,19 +155,20 @@ class AsyncLLM:
         config: EngineConfig,
         model_name: str | None = None,
         data_parallel_size: int = 1,
-        tokenizer: Tokenizer | None = None,
+        model_info: ModelInfo | None = None,
     ) -> AsyncLLM:
-        """``tokenizer``: the model's, if the caller has loaded it already."""
+        """``model_info``: the model's config and tokenizer, if the caller has read them."""
         from shm_engine.model.loader import load_model_info
 
         # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
-        tokenizer = tokenizer or load_model_info(config.model).tokenizer
+        info = model_info or load_model_info(config.model)
         # Blocks the loop while the engine loads the model: fine at startup, nothing is served yet.
         if data_parallel_size > 1:
             client = AsyncDPClient(config, data_parallel_size)
         else:
             client = AsyncMPClient(config)
-        return cls(client, tokenizer, model_name or client.ready.model_name)
+        name = model_name or client.ready.model_name
+        return cls(client, info.tokenizer, name, info.sampling_defaults)
 
     # ------------------------------------------------------------------ state
 

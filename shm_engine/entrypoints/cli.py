@@ -218,7 +218,7 @@ def cmd_serve(args) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         data_parallel_size=args.data_parallel_size,
-        tokenizer=model.tokenizer,
+        model_info=model,
     )
     return 0
 

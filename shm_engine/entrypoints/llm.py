@@ -43,7 +43,9 @@ class LLM:
 
         self.config = EngineConfig(model=model, **engine_args)
         # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
-        self.tokenizer = load_model_info(model).tokenizer
+        info = load_model_info(model)
+        self.tokenizer = info.tokenizer
+        self._sampling_defaults = info.sampling_defaults
         if in_process:
             self.client = InprocClient(self.config)
         elif data_parallel_size > 1:
@@ -61,6 +63,11 @@ class LLM:
         # while generate() (or another stream) runs finds its outputs, its last one included,
         # here (each is cumulative, so the newest is all a consumer needs).
         self._latest: dict[str, RequestOutput] = {}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``, ``chat`` and ``stream`` use without SamplingParams: vLLM's
+        defaults, overridden by the model's generation_config.json sampling values."""
+        return SamplingParams(**self._sampling_defaults)
 
     @property
     def max_model_len(self) -> int:
@@ -83,7 +90,7 @@ class LLM:
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)
@@ -126,7 +133,7 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None):
         """Yield the text of one completion as it is generated (n must be 1)."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if params.n != 1:
             raise ValueError("stream() produces one completion; use generate() for n > 1")
         rid = self._add(*self._tokenize(prompt), params)

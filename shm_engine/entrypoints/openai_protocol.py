@@ -10,6 +10,8 @@ clients written for vLLM work unchanged. Range checks live in SamplingParams
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -52,6 +54,9 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (False,),
     "documents": ([],),
 }
+
+
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 
 class _SamplingFields(BaseModel):
@@ -106,9 +111,18 @@ class _SamplingFields(BaseModel):
         if self.cache_salt == "":
             raise ValueError("cache_salt must be a non-empty string if given")
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Build SamplingParams; raises ValueError (-> 400) for out-of-range values."""
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any]
+    ) -> SamplingParams:
+        """Build SamplingParams; raises ValueError (-> 400) for out-of-range values.
+
+        ``defaults``: the model's values (generation_config.json) for temperature, top_p,
+        top_k, min_p and repetition_penalty, taken where the request leaves them unset (vLLM)."""
         self._check_unsupported()
+
+        def pick(name: str, value: Any, fallback: Any) -> Any:
+            return value if value is not None else defaults.get(name, fallback)
+
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
         if self.response_format and self.response_format.get("type") != "text":
@@ -116,10 +130,10 @@ class _SamplingFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", self.temperature, 1.0),
+            top_p=pick("top_p", self.top_p, 1.0),
+            top_k=pick("top_k", self.top_k, 0),
+            min_p=pick("min_p", self.min_p, 0.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -129,9 +143,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -163,7 +175,7 @@ class CompletionRequest(_SamplingFields):
         log-likelihood scorers (lm-eval) ask for a prompt's logprobs."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
         if self.suffix:
@@ -171,7 +183,8 @@ class CompletionRequest(_SamplingFields):
         if self.echo_only and self.min_tokens:
             raise ValueError("min_tokens must be 0 when max_tokens is 0")
         # NOTE: the engine samples at least one token; for echo_only the server drops it (vLLM too).
-        params = self._sampling(1 if self.echo_only else self.max_tokens, self.logprobs)
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        params = self._sampling(max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:
             # The echoed prompt's tokens come with their logprobs too (log-likelihood scoring
             # reads them); the engine then computes the whole prompt.
@@ -214,7 +227,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
         if self.tools:
             raise ValueError("tools are not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
@@ -225,7 +238,7 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs)
+        return self._sampling(max_tokens, logprobs, defaults)
 
     def conversation(self) -> list[dict[str, Any]]:
         # "developer" is the newer name of "system"; chat templates know only the latter.

@@ -54,7 +54,7 @@ from shm_engine.entrypoints.openai_protocol import (
     count_chat_messages,
     without_validation_422,
 )
-from shm_engine.model.tokenizer import Tokenizer
+from shm_engine.model.loader import ModelInfo
 from shm_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -418,7 +418,7 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_alive()
-        params = req.sampling_params()
+        params = req.sampling_params(self.engine.sampling_defaults)
         prompts = await self._prompts_from_completion(req, params)
         if req.stream:
             return _SSEResponse(self._stream_completions(req, prompts), self._start(prompts))
@@ -541,7 +541,7 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_alive()
-        params = req.sampling_params()
+        params = req.sampling_params(self.engine.sampling_defaults)
         prompt = await self._prompt_from_chat(req, params)
         if req.stream:
             return _SSEResponse(self._stream_chat(req, prompt), self._start([prompt]))
@@ -760,7 +760,7 @@ def build_app(
     config: EngineConfig,
     served_model_name: str | None = None,
     data_parallel_size: int = 1,
-    tokenizer: Tokenizer | None = None,
+    model_info: ModelInfo | None = None,
 ) -> HotRoutes:
     """The ASGI app; the engine starts in its lifespan and stops with it.
 
@@ -772,7 +772,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await AsyncLLM.create(config, served_model_name, data_parallel_size, tokenizer)
+        engine = await AsyncLLM.create(config, served_model_name, data_parallel_size, model_info)
         metrics = ServerMetrics(engine.model_name)
         engine.on_finished = metrics.observe_finished
         app.state.server = OpenAIServer(engine, metrics, engine.model_name)
@@ -782,6 +782,8 @@ def build_app(
         # hundred requests. After the freeze the worst collection in the same load took 18 ms.
         gc.collect()
         gc.freeze()
+        if engine.sampling_defaults:
+            logger.info("sampling defaults from the model: %s", engine.sampling_defaults)
         logger.info(
             "serving %s (max_model_len %d, %d KV blocks)",
             engine.model_name,
@@ -882,7 +884,7 @@ def serve(
     log_level: str = "info",
     access_log: bool = False,
     data_parallel_size: int = 1,
-    tokenizer: Tokenizer | None = None,
+    model_info: ModelInfo | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
     if not 0 <= port <= 65535:
@@ -890,7 +892,7 @@ def serve(
         # engine, and the process then never exited.
         raise ValueError(f"port must be in 0..65535, got {port}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(config, served_model_name, data_parallel_size, tokenizer)
+    app = build_app(config, served_model_name, data_parallel_size, model_info)
     uv = uvicorn.Config(
         app,
         host=host,

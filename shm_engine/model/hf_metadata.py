@@ -8,8 +8,36 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shm_engine.sampling_params import SamplingParams
+
 from .config import ModelConfig
 from .tokenizer import Tokenizer
+
+# generation_config.json keys vLLM takes as the defaults of requests that leave them unset
+# (its generation_config="auto"); do_sample is not one of them, as in vLLM.
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_sampling_defaults(path: Path) -> dict[str, float | int]:
+    """The sampling defaults in a model's generation_config.json (e.g. Qwen2.5-Instruct's
+    temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05); {} without the file."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    gen = json.loads(file.read_text())
+    out: dict[str, float | int] = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = gen.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{file}: {key} must be a number, got {value!r}")
+        out[key] = int(value) if key == "top_k" else float(value)
+    try:
+        SamplingParams(**out)  # values a request could not take fail at load, not per request
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    return out
 
 
 def read_hf_info(path: Path) -> tuple[ModelConfig, Tokenizer]:

@@ -14,7 +14,7 @@ import hashlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,6 +81,8 @@ class ModelInfo:
     tokenizer: Tokenizer
     path: Path
     format: str  # "gguf" or "hf"
+    # SamplingParams fields a request that leaves them unset takes (generation_config.json)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def resolve_model_path(path: str | os.PathLike[str] | None) -> tuple[Path, str]:
@@ -104,14 +106,14 @@ def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:
     """The config and tokenizer of a GGUF file or HF directory (None: the embedded SmolLM2)."""
     p, fmt = resolve_model_path(path)
     if fmt == "hf":
-        from .hf_metadata import read_hf_info
+        from .hf_metadata import read_hf_info, read_sampling_defaults
 
         config, tokenizer = read_hf_info(p)
-    else:
-        from .gguf_metadata import read_gguf_info
+        return ModelInfo(config, tokenizer, p, fmt, read_sampling_defaults(p))
+    from .gguf_metadata import read_gguf_info
 
-        _, config, tokenizer = read_gguf_info(p)
-    return ModelInfo(config=config, tokenizer=tokenizer, path=p, format=fmt)
+    _, config, tokenizer = read_gguf_info(p)
+    return ModelInfo(config, tokenizer, p, fmt)
 
 
 def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:

@@ -752,3 +752,31 @@ def test_engine_exits_when_its_client_is_killed():
         if client.poll() is None:
             client.kill()
     assert shm_entries() <= before
+
+
+def test_llm_takes_the_models_generation_config_defaults(tmp_path) -> None:
+    """LLM.generate without SamplingParams samples as the model's generation_config.json says
+    (vLLM's generation_config="auto"); given SamplingParams are used as they are."""
+    import json
+
+    from model.conftest import tiny_config, tiny_tokenizer_metadata, tiny_weights
+
+    from shm_engine import LLM
+    from shm_engine.model.hf_loader import save_hf_model
+    from shm_engine.model.tokenizer import Tokenizer
+
+    config = tiny_config()
+    save_hf_model(tmp_path, config, tiny_weights(config))
+    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata())
+    (tmp_path / "tokenizer.json").write_text(tok.backend.to_str())
+    gen = {"temperature": 0.0, "repetition_penalty": 1.3}
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    with LLM(str(tmp_path), dtype=DTYPE, num_kv_blocks=16, in_process=True) as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.repetition_penalty, d.top_p) == (0.0, 1.3, 1.0)
+        runs = [llm.generate("hello", use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+        assert runs[0] == runs[1] == runs[2]  # greedy, from the model's defaults
+        same = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3)
+        assert llm.generate("hello", same, use_tqdm=False)[0].outputs[0].token_ids == runs[0][:4]
+        plain = SamplingParams(max_tokens=4, temperature=0.0)  # no penalty: this model repeats
+        assert llm.generate("hello", plain, use_tqdm=False)[0].outputs[0].token_ids != runs[0][:4]

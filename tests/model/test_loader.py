@@ -197,6 +197,23 @@ def test_model_info_is_the_loaders_config_and_tokenizer_without_torch(tmp_path: 
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
+    config = tiny_config()
+    weights = tiny_weights(config)
+    save_hf_model(tmp_path, config, weights)
+    (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json())
+    assert load_model_info(tmp_path).sampling_defaults == {}
+    gen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True, "max_length": 9}
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "min_p": None}))
+    defaults = load_model_info(tmp_path).sampling_defaults
+    assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match="generation_config.json: top_p"):
+        load_model_info(tmp_path)
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf", config, weights)
+    assert load_model_info(gguf_path).sampling_defaults == {}
+
+
 def _tiny_tokenizer_json() -> str:
     from shm_engine.model.tokenizer import Tokenizer
 

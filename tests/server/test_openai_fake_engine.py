@@ -68,6 +68,7 @@ class FakeEngine:
     """What OpenAIServer uses of AsyncLLM; ``script(ids, params)`` makes a request's outputs."""
 
     model_name = "tiny"
+    sampling_defaults: dict = {}
     dead_reason = None
     is_dead = False
     on_finished = None
@@ -107,7 +108,7 @@ def serve_fake(monkeypatch, engine: FakeEngine) -> TestClient:
     app = openai_server.build_app(EngineConfig())
     engine.sent = []
 
-    async def create(config, served_model_name=None, data_parallel_size=1, tokenizer=None):
+    async def create(config, served_model_name=None, data_parallel_size=1, model_info=None):
         return engine
 
     async def recording(scope, receive, send):
@@ -298,6 +299,26 @@ def test_vllm_fields_at_their_defaults_pass_and_priority_reaches_the_engine(fake
     r = client.post("/v1/chat/completions", json={**chat, "echo": False, **harmless})
     assert r.status_code == 200, r.text
     assert (engine.last_request.priority, engine.last_request.cache_salt) == (0, None)
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(fake) -> None:
+    """As vLLM's generation_config="auto": the model's values replace the API defaults, and
+    a request's own values (0 included) win."""
+    client, engine = fake
+    engine.sampling_defaults = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.05}
+    seen = []
+
+    def script(ids, params):
+        seen.append(params)
+        return replay(engine.tokenizer, "ab", None, lp=False)
+
+    engine.script = script
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    body = {"prompt": "hi", "temperature": 0, "top_k": 0, "top_p": 0.5}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    got = [(p.temperature, p.top_k, p.top_p, p.repetition_penalty) for p in seen]
+    assert got == [(0.6, 20, 1.0, 1.05), (0.0, 0, 0.5, 1.05)]
 
 
 def test_a_failed_prompt_cancels_the_other_prompts_consumers(monkeypatch) -> None:
