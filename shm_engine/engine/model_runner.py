@@ -205,7 +205,7 @@ def _prompt_logprobs(chunks: list, logits: torch.Tensor) -> dict[int, list[Logpr
         row += n
         targets = torch.tensor(c.request.all_token_ids[j0:j1], dtype=torch.int64)
         own = rows.gather(1, targets[:, None])[:, 0]
-        ranks = (rows > own[:, None]).sum(1) + 1
+        ranks = (rows >= own[:, None]).sum(1)  # vLLM's: tied tokens all count
         k = min(c.request.sampling_params.prompt_logprobs, rows.shape[1])
         top_lp, top_ids = rows.topk(k, dim=1) if k else (rows[:, :0], rows[:, :0].long())
         out[ci] = [

@@ -14,13 +14,28 @@ from shm_engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shm_engine.sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's entry in a logprobs dict, as vLLM's ``Logprob``: the raw model logprob, the
+    token's rank in the vocabulary at that position (1: the most likely; a tie counts every
+    token as likely as it, as vLLM's) and the token decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token id: Logprob}, the sampled (or prompt) token first, then the top-n.
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None
 
@@ -57,9 +72,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = None
-    # With SamplingParams.prompt_logprobs: one entry per prompt token, {token id: logprob} (its
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, {token id: Logprob} (its
     # own first, then the top-n of its position); None for the first, which nothing predicts.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass
@@ -83,7 +98,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -115,6 +130,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}  # engine id -> child
         self.parents: dict[str, _ParentState] = {}
+        self._decoded: dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
 
     def add_request(
         self,
@@ -212,8 +228,7 @@ class OutputProcessor:
                 parent.num_cached_tokens = out.num_cached_tokens[row]
             if row in out.prompt_logprobs and parent.prompt_logprobs is None:  # n > 1: the first
                 parent.prompt_logprobs = [None] + [
-                    dict(zip(lp.token_ids, lp.logprobs, strict=True))
-                    for lp in out.prompt_logprobs[row]
+                    self._position(lp) for lp in out.prompt_logprobs[row]
                 ]
             comp = state.completion
             comp.token_ids.extend(new_ids)
@@ -269,11 +284,27 @@ class OutputProcessor:
         comp.stop_reason = stop
         return True
 
-    @staticmethod
-    def _add_logprobs(comp: CompletionOutput, entries: list[Logprobs]) -> None:
+    def _add_logprobs(self, comp: CompletionOutput, entries: list[Logprobs]) -> None:
         for lp in entries:
-            comp.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
+            comp.logprobs.append(self._position(lp))
             comp.cumulative_logprob += lp.logprobs[0]
+
+    def _position(self, lp: Logprobs) -> PositionLogprobs:
+        """One position's dict: the sampled token (its rank from the engine) first, then the
+        top-n, ranked 1..n; a sampled token among them keeps its top-n entry (vLLM's order)."""
+        ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
+        return {
+            t: Logprob(v, r, self._decode_one(t))
+            for t, v, r in zip(lp.token_ids, lp.logprobs, ranks, strict=True)
+        }
+
+    def _decode_one(self, token_id: int) -> str:
+        """vLLM's decoded_token: the token decoded on its own, special tokens included."""
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._decoded[token_id] = text
+        return text
 
 
 def _fields(params: SamplingParams) -> dict:

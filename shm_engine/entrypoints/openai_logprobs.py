@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
+from shm_engine.engine.output_processor import CompletionOutput, PositionLogprobs, RequestOutput
 from shm_engine.model.tokenizer import Tokenizer
 
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -163,7 +163,7 @@ class LogprobFormatter:
         cur.tokens += 1
         return offset
 
-    def _top_dict(self, lps: dict[int, float]) -> dict[str, float]:
+    def _top_dict(self, lps: PositionLogprobs) -> dict[str, float]:
         """Completions' ``{token: logprob}``, keyed by token string as OpenAI and vLLM do.
 
         Tokens that are not whole UTF-8 get distinct ``bytes:\\xNN`` keys, so pieces of emoji no
@@ -171,8 +171,8 @@ class LogprobFormatter:
         logprob (the first one on a tie).
         """
         top: dict[str, float] = {}
-        for tid, lp in sorted(lps.items(), key=lambda kv: -kv[1]):
-            top.setdefault(self.tokens.string(tid), lp)
+        for tid, lp in sorted(lps.items(), key=lambda kv: -kv[1].logprob):
+            top.setdefault(self.tokens.string(tid), lp.logprob)
         return top
 
     def completion(
@@ -183,7 +183,7 @@ class LogprobFormatter:
         start = cur.tokens
         for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
             tokens.append(self.tokens.string(tid))
-            token_lps.append(lps.get(tid))
+            token_lps.append(lps[tid].logprob if tid in lps else None)
             tops.append(self._top_dict(lps))
             offsets.append(self.advance(c.text, cur, tid, skip_special))
         return {
@@ -206,7 +206,7 @@ class LogprobFormatter:
         for j, tid in enumerate(out.prompt_token_ids):
             lps = entries[j] if j < len(entries) else None
             tokens.append(self.tokens.string(tid))
-            token_lps.append(None if lps is None else lps.get(tid))
+            token_lps.append(None if lps is None or tid not in lps else lps[tid].logprob)
             tops.append(None if lps is None else self._top_dict(lps))
             skip = skip_special
             if skip is None:
@@ -231,9 +231,9 @@ class LogprobFormatter:
         start = cur.tokens
         for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
             self.advance(c.text, cur, tid, skip_special)
-            top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
-            entry = self._chat_entry(tid, lps.get(tid))
-            entry["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in top]
+            top = sorted(lps.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+            entry = self._chat_entry(tid, lps[tid].logprob if tid in lps else None)
+            entry["top_logprobs"] = [self._chat_entry(t, lp.logprob) for t, lp in top]
             content.append(entry)
         return {"content": content}
 
@@ -254,3 +254,25 @@ class LogprobFormatter:
                 break
             n += 1
         return n
+
+
+# vLLM writes a -inf logprob (a token the model rules out) as this, which JSON can hold.
+_MIN_LOGPROB = -9999.0
+
+
+def vllm_prompt_logprobs(entries: list[PositionLogprobs | None] | None) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token, None (the first) or
+    ``{token id: {"logprob", "rank", "decoded_token"}}``, its own token and the top-n."""
+    return [
+        None
+        if e is None
+        else {
+            str(t): {
+                "logprob": max(lp.logprob, _MIN_LOGPROB),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for t, lp in e.items()
+        }
+        for e in entries or []
+    ]

@@ -98,6 +98,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: the prompt tokens' logprobs (own token and top-n), in the non-streamed response
+    prompt_logprobs: int | None = None
     priority: int = 0  # lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     # Accepted as vLLM does with fast tokenizers, which leave special tokens' spacing as is.
@@ -146,7 +148,10 @@ class _SamplingFields(BaseModel):
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs,
         )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
         if self.n > 128:
             raise ValueError(f"n must be at most 128, got {self.n}")
         return SamplingParams(**kw)
@@ -185,11 +190,16 @@ class CompletionRequest(_SamplingFields):
         # NOTE: the engine samples at least one token; for echo_only the server drops it (vLLM too).
         max_tokens = 1 if self.echo_only else self.max_tokens
         params = self._sampling(max_tokens, self.logprobs, defaults)
-        if self.echo and self.logprobs is not None:
+        if self.echo_logprobs:
             # The echoed prompt's tokens come with their logprobs too (log-likelihood scoring
             # reads them); the engine then computes the whole prompt.
-            params.prompt_logprobs = self.logprobs
+            params.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         return params
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt's tokens carry logprobs (in the OpenAI ``logprobs`` shape)."""
+        return self.echo and self.logprobs is not None
 
 
 class ContentPart(BaseModel):

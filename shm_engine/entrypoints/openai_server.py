@@ -45,7 +45,12 @@ from shm_engine.entrypoints.async_engine import (
 )
 from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
 from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
-from shm_engine.entrypoints.openai_logprobs import LogprobCursor, LogprobFormatter, TokenTable
+from shm_engine.entrypoints.openai_logprobs import (
+    LogprobCursor,
+    LogprobFormatter,
+    TokenTable,
+    vllm_prompt_logprobs,
+)
 from shm_engine.entrypoints.openai_protocol import (
     GENERATION_RESPONSES,
     HEALTH_RESPONSES,
@@ -434,7 +439,7 @@ class OpenAIServer:
             prefix, echo_skip = self._echo(p) if req.echo else ("", True)
             skip = params.skip_special_tokens
             echoed = None
-            if params.prompt_logprobs is not None:
+            if req.echo_logprobs:
                 echoed = self.logprobs.prompt(p.final, prefix, echo_skip)
             for c in p.final.outputs:
                 text, lp, finish, reason = prefix + c.text, echoed, _finish_reason(c), c.stop_reason
@@ -445,15 +450,16 @@ class OpenAIServer:
                     lp = self.logprobs.completion(c, len(c.token_ids), cur, skip)
                     if echoed is not None:
                         lp = {k: echoed[k] + v for k, v in lp.items()}
-                choices.append(
-                    {
-                        "index": i * params.n + c.index,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": finish,
-                        "stop_reason": reason,
-                    }
-                )
+                choice = {
+                    "index": i * params.n + c.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                    "stop_reason": reason,
+                }
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(p.final.prompt_logprobs)
+                choices.append(choice)
         return JSONResponse(
             {
                 "id": prompts[0].request_id.rsplit("-", 1)[0],
@@ -512,7 +518,7 @@ class OpenAIServer:
                         for st in p.choices:
                             st.lp.offset = len(prefix)  # offsets count the echoed prompt
                         lp = None
-                        if params.prompt_logprobs is not None:
+                        if req.echo_logprobs:
                             lp = self.logprobs.prompt(out, prefix, echo_skip)
                         echoed = [{"index": i * n + j, "text": prefix, "logprobs": lp,
                                    "finish_reason": None} for j in range(n)]  # fmt: skip
@@ -567,16 +573,17 @@ class OpenAIServer:
                     "stop_reason": c.stop_reason,
                 }
             )
-        return JSONResponse(
-            {
-                "id": prompt.request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": _usage([prompt]),
-            }
-        )
+        body = {
+            "id": prompt.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage([prompt]),
+        }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt.final.prompt_logprobs)
+        return JSONResponse(body)
 
     async def _stream_chat(self, req: ChatCompletionRequest, p: _Prompt) -> AsyncIterator[bytes]:
         created = int(time.time())

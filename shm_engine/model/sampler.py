@@ -277,7 +277,7 @@ class Sampler:
         lp = torch.log_softmax(logits[rows].to(torch.float32), dim=-1)
         tok = sampled[rows]
         tok_lp = lp.gather(1, tok[:, None])
-        ranks = (lp > tok_lp).sum(dim=1) + 1
+        ranks = (lp >= tok_lp).sum(dim=1)  # vLLM's: tied tokens all count
         max_n = min(max(params[i].logprobs or 0 for i in rows), lp.shape[1])  # a tiny vocab
         top_v, top_i = lp.topk(max_n, dim=1) if max_n else (lp[:, :0], tok[:, None][:, :0])
         res: list[TokenLogprobs | None] = [None] * len(params)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shm_engine.engine.output_processor import OutputProcessor
+from shm_engine.engine.output_processor import Logprob, OutputProcessor
 from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, RequestError
 from shm_engine.sampling_params import SamplingParams
 
@@ -144,7 +144,11 @@ def test_cached_tokens_logprobs_and_metrics(tokenizer):
     )
     out = results[0]
     assert out.num_cached_tokens == 16
-    assert out.outputs[0].logprobs == [{42: -0.5, 7: -0.25}]
+    # vLLM's Logprob entries: the sampled token's rank from the engine, the top-n ranked 1..n,
+    # each token decoded alone (special tokens included)
+    dec = [tokenizer.decode([t], skip_special_tokens=False) for t in (42, 7)]
+    assert out.outputs[0].logprobs == [{42: Logprob(-0.5, 2, dec[0]), 7: Logprob(-0.25, 1, dec[1])}]
+    assert list(out.outputs[0].logprobs[0]) == [42, 7]  # the sampled token first
     assert out.outputs[0].cumulative_logprob == -0.5
     m = out.metrics
     assert m.first_token_time is not None and m.finished_time >= m.arrival_time

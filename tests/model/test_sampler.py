@@ -305,8 +305,16 @@ def test_logprobs_are_raw_and_ranked() -> None:
     tok = int(out.token_ids[1])
     assert lp1.token_ids == [tok]
     assert lp1.logprobs[0] == pytest.approx(float(ref[1, tok]), rel=1e-6)  # raw, not penalized
-    assert lp1.sampled_rank == int((ref[1] > ref[1, tok]).sum()) + 1
+    assert lp1.sampled_rank == int((ref[1] >= ref[1, tok]).sum())
     assert math.isfinite(lp1.logprobs[0])
+
+
+def test_a_tied_sampled_token_is_ranked_below_every_token_as_likely() -> None:
+    """vLLM's rank counts the tokens at least as likely: a two-way tie for the top is rank 2."""
+    s = Sampler(0)
+    logits = torch.tensor([[3.0, 1.0, 3.0, 0.0]])
+    out = s.sample(logits, _states(s, [SP(temperature=0.0, logprobs=1)]), [[]])
+    assert out.logprobs[0].sampled_rank == 2
 
 
 def test_more_logprobs_than_the_vocabulary_has_returns_all_of_them() -> None:

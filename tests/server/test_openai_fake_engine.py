@@ -21,7 +21,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from shm_engine.engine.config import EngineConfig
-from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
+from shm_engine.engine.output_processor import CompletionOutput, Logprob, RequestOutput
 from shm_engine.entrypoints import openai_logprobs, openai_server
 from shm_engine.entrypoints.async_engine import PromptTooLongError
 from shm_engine.entrypoints.metrics import ServerMetrics
@@ -143,7 +143,7 @@ def replay(tok: Tokenizer, text: str, stop: str | None, lp: bool) -> list[Reques
     for k, tid in enumerate(ids):
         c.token_ids.append(tid)
         if lp:
-            c.logprobs.append({tid: -0.5, (tid + 1) % 256: -1.0 - k})
+            c.logprobs.append({tid: Logprob(-0.5, 1), (tid + 1) % 256: Logprob(-1.0 - k, 2)})
         c.text += detok.add([tid])
         last = k == len(ids) - 1
         if last:

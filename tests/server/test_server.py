@@ -145,6 +145,30 @@ def test_echo_with_max_tokens_0_scores_the_prompt_only(server, model: str) -> No
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
 
 
+def test_vllm_prompt_logprobs_field(server, model: str) -> None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank,
+    decoded_token}}, the prompt token among them; the echo shape agrees; no streaming."""
+    prompt = "The three primary colours are"
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    url = server.url + "/v1/completions"
+    r = httpx.post(url, json={**body, "prompt_logprobs": 2, "echo": True, "logprobs": 1})
+    choice = r.json()["choices"][0]
+    echoed = choice["logprobs"]["token_logprobs"][: len(choice["prompt_logprobs"])]
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(echoed) > 3
+    ids = httpx.post(url, json={**body, "prompt_logprobs": 0}).json()["choices"][0]
+    for j, entry in enumerate(plp[1:], 1):
+        assert 2 <= len(entry) <= 3 and all(e["rank"] >= 1 for e in entry.values())
+        own = [e for e in entry.values() if e["logprob"] == pytest.approx(echoed[j], abs=1e-4)]
+        assert own and isinstance(own[0]["decoded_token"], str)
+        assert len(ids["prompt_logprobs"][j]) == 1  # prompt_logprobs 0: the token's own only
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "prompt_logprobs": 1})
+    assert r.json()["prompt_logprobs"][0] is None and len(r.json()["prompt_logprobs"]) > 2
+    r = httpx.post(url, json={**body, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+
+
 def test_echoed_prompt_offsets_index_the_echoed_text(server, model: str) -> None:
     """text[offset_i:offset_i+1] is prompt token i's text, special tokens included, for a text
     prompt (echoed as given) and for token ids (decoded as skip_special_tokens says)."""
