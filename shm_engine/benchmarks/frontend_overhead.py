@@ -13,7 +13,6 @@ The server, the direct client and this process share the machine, so run it on a
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -22,6 +21,8 @@ import sys
 import time
 
 import numpy as np
+
+from shm_engine.entrypoints.cli_parser import OneLineParser
 
 PROMPT = "The capital of France is"
 
@@ -127,7 +128,7 @@ def client_tpot(client, prompts: list[list[int]], output_len: int) -> list[float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)

@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from shm_engine.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shm_engine.entrypoints.cli_parser import OneLineParser
 from shm_engine.ipc import ChannelListener, Decoder, Encoder, connect
 from shm_engine.sampling_params import SamplingParams
 
@@ -424,7 +425,7 @@ def _fmt(x: float | None, nd: int = 1) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="shm-engine bench ipc",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,

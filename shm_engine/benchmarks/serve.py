@@ -56,6 +56,7 @@ from shm_engine.benchmarks.prompts import (
     load_prompt_file,
     random_prompts,
 )
+from shm_engine.entrypoints.cli_parser import OneLineParser
 
 PERCENTILES = (50, 90, 99)
 PROG = "shm-engine bench serve"
@@ -427,6 +428,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """A count that may be 0 (warm-up requests)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _rate(text: str) -> float:
     """Requests per second: > 0, or inf for all at once (0 was sent unpaced but reported as 0)."""
     try:
@@ -439,7 +461,7 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)"
     )
@@ -470,9 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-param", default="concurrency", choices=["concurrency", "request_rate"])
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring")
+    p.add_argument("--warmup", type=_count, default=1, help="warm-up requests before measuring")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--timeout", type=_seconds, default=600.0, help="per-request timeout (s)")
     p.add_argument("--json", default=None, help="write the report here (after every run)")
     p.add_argument("--plot", default=None, help="write a PNG of latency against load")
     p.add_argument("--no-progress", action="store_true")

@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+from shm_engine.entrypoints.cli_parser import OneLineParser, fail
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
@@ -63,11 +65,9 @@ def cmd_generate(args) -> int:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:  # one line, not a traceback
             reason = e.strerror if isinstance(e, OSError) else e
-            print(f"shm-engine generate: error: --file {args.file}: {reason}", file=sys.stderr)
-            return 2
+            return fail("shm-engine generate", f"--file {args.file}: {reason}")
     if not prompts:
-        print("give prompts as arguments or with --file", file=sys.stderr)
-        return 2
+        return fail("shm-engine generate", "give prompts as arguments or with --file")
     params = _params(args)
     failed = 0
     with _build_llm(args) as llm:
@@ -155,12 +155,16 @@ def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
             reply += delta
             print(delta, end="", flush=True)
     except ValueError as e:
-        if (
-            reply
-            or len(messages) == 1
-            or len(_chat_prompt(llm, messages[-1:])[1]) >= llm.max_model_len
-        ):
+        if reply or len(messages) == 1:
             print(f"error: {e}", file=sys.stderr)
+            return None
+        alone = len(_chat_prompt(llm, messages[-1:])[1])
+        if alone >= llm.max_model_len:
+            print(
+                f"error: this message takes {alone} tokens on its own, and the model's maximum "
+                f"context length is {llm.max_model_len} (with room for the reply)",
+                file=sys.stderr,
+            )
             return None
         print("[the conversation no longer fits the context: starting over]", file=sys.stderr)
         del messages[:-1]
@@ -254,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shm_engine.engine.config import EngineConfig
 
     engine_defaults = EngineConfig()
-    parser = argparse.ArgumentParser(prog="shm-engine", description=__doc__)
+    parser = OneLineParser(prog="shm-engine", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for prompts, streaming to the terminal")
     g.add_argument("prompts", nargs="*")
@@ -312,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="benchmarks: serve (load generator for an OpenAI endpoint), ipc"
     )
     b.add_argument("what", choices=["serve", "ipc"])
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     b.set_defaults(func=cmd_bench)
     return parser
 
@@ -324,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # a bad value or path: one line, as argparse's errors
-        print(f"shm-engine {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"shm-engine {args.cmd}", str(e))
     except EngineDeadError as e:
         print(f"shm-engine {args.cmd}: error: {e}", file=sys.stderr)
         return 1

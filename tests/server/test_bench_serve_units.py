@@ -327,11 +327,14 @@ def test_string_error_event_reports_the_servers_message(fake, tmp_path, capsys) 
         (["--num-prompts", "0"], "argument --num-prompts: must be >= 1"),
         (["--dataset-path", "/nonexistent.txt"], "--dataset-path /nonexistent.txt: no such file"),
         (["--base-url", "127.0.0.1:8000"], "expected http://HOST:PORT"),
+        (["--warmup", "-1"], "argument --warmup: must be >= 0"),
+        (["--timeout", "0"], "argument --timeout: must be a positive number of seconds"),
     ],
 )
 def test_usage_errors(fake, capsys, argv, message) -> None:
     rc, _, err = run(capsys, "--base-url", fake.url(), *argv)
     assert rc == 2 and message in err and not fake.paths
+    assert err.count("\n") == 1  # one line, not argparse's usage block above it
 
 
 def test_unreachable_server_is_named(tmp_path, capsys) -> None:

@@ -34,11 +34,31 @@ def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "-dp", "0"]])
-def test_argument_errors_exit_2(argv, capsys) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "70000"],
+        ["serve", "-dp", "0"],
+        ["generate", "hi", "--max-tokens", "abc"],
+        ["generate", "hi", "--dtype", "bf16"],
+        ["chat", "--kv-cache-dtype", "fp8"],
+        ["bench", "nothing"],
+    ],
+)
+def test_argument_errors_are_one_line_too(argv, capsys) -> None:
+    """What argparse refuses reads as the commands' own checks: one line, not its usage block."""
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
-    assert e.value.code == 2 and "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"shm-engine {argv[0]}: error: " if argv[0] != "bench" else "shm-engine")
+
+
+def test_generate_without_prompts_says_so_in_one_line(capsys) -> None:
+    assert cli.main(["generate"]) == 2
+    assert capsys.readouterr().err == (
+        "shm-engine generate: error: give prompts as arguments or with --file\n"
+    )
 
 
 def _inputs(monkeypatch, lines: list[str | type[BaseException]]) -> None:
@@ -94,5 +114,6 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_even_alone(
     _inputs(monkeypatch, ["My name is Zorblax.", "word " * 200, "What is my name?"])
     assert cli.main(["chat", "--kv-cache-mib", "2", "--max-tokens", "4"]) == 0
     out, err = capsys.readouterr()
-    assert "starting over" not in err and "context length" in err and "Traceback" not in err
+    assert "starting over" not in err and "Traceback" not in err
+    assert "this message takes" in err and "context length is 80" in err
     assert seen[-1][0] == "My name is Zorblax." and seen[-1][-1] == "What is my name?"
