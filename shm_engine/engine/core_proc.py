@@ -30,6 +30,7 @@ import msgspec
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.core import EngineCore
 from shm_engine.engine.protocol import (
+    ROW_COLUMNS,
     AbortRequests,
     ClientMessage,
     EngineCoreOutputs,
@@ -389,14 +390,10 @@ def _split_by_client(out: EngineCoreOutputs, owner: dict[str, int]) -> dict[int,
         part.num_new_tokens.append(n)
         part.new_token_ids.extend(out.new_token_ids[k : k + n])
         k += n
-        for src, dst in (
-            (out.finished, part.finished),
-            (out.stop_reasons, part.stop_reasons),
-            (out.num_cached_tokens, part.num_cached_tokens),
-            (out.logprobs, part.logprobs),
-        ):
+        for column in ROW_COLUMNS:
+            src = getattr(out, column)
             if row in src:
-                dst[new_row] = src[row]
+                getattr(part, column)[new_row] = src[row]
     return parts
 
 

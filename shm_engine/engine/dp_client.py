@@ -72,6 +72,21 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     )
 
 
+def merge_results(method: str, results: list[Any]) -> Any:
+    """The replicas' answers to a utility call as one engine's, so callers need not know how
+    many replicas there are: stats merged, counts summed, flags all-true, None for actions;
+    other methods (get_timing, profile, echo) give one result per replica."""
+    if method == "get_stats":
+        return merge_stats(results)
+    if method == "reset_prefix_cache":
+        return sum(results)
+    if method == "is_sleeping":
+        return all(results)
+    if all(r is None for r in results):
+        return None
+    return results
+
+
 class ReplicaRouter:
     """Which replica runs each request, under which id; the load each replica carries."""
 
@@ -193,10 +208,10 @@ class DPClient(_Replicas):
             raise item
         return self.router.translate(item)
 
-    def call_utility(self, method: str, *args: Any) -> list[Any]:
-        """Call on every replica; returns one result per replica."""
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call on every replica; their results merged as one engine's (merge_results)."""
         futures = [e.call_utility_async(method, *args) for e in self.engines]
-        return [_typed(method, f.result(timeout=300)) for f in futures]
+        return merge_results(method, [_typed(method, f.result(timeout=300)) for f in futures])
 
     def __enter__(self) -> DPClient:
         return self
@@ -247,9 +262,8 @@ class AsyncDPClient(_Replicas):
         return self.router.translate(item)
 
     async def call_utility_coro(self, method: str, *args: Any) -> Any:
-        """Call on every replica: get_stats merged, other methods one result per replica."""
+        """Call on every replica; their results merged as one engine's (merge_results)."""
         results = await asyncio.gather(*(e.call_utility_coro(method, *args) for e in self.engines))
         if method == "get_stats":
             self.stats = list(results)
-            return merge_stats(self.stats)
-        return results
+        return merge_results(method, list(results))

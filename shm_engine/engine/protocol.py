@@ -100,6 +100,11 @@ class EngineCoreOutputs(msgspec.Struct, **_STRUCT):
     timestamp: float = 0.0
 
 
+# EngineCoreOutputs' sparse columns keyed by row: what splitting outputs by client must carry
+# over row by row (a column left out here is lost for engines that serve several clients).
+ROW_COLUMNS = ("finished", "stop_reasons", "num_cached_tokens", "logprobs", "prompt_logprobs")
+
+
 class EngineDead(msgspec.Struct, **_STRUCT):
     """The engine hit a fatal error; every request of every client is lost."""
 

@@ -31,6 +31,15 @@ class Replica:
             raise EngineDeadError("engine process died")
         self.running -= set(ids)
 
+    def call_utility_async(self, method: str, *args):
+        from concurrent.futures import Future
+
+        answers = {"get_stats": SchedulerStats(num_running=len(self.running)),
+                   "reset_prefix_cache": 3, "is_sleeping": True, "sleep": None, "echo": args}  # fmt: skip
+        done: Future = Future()
+        done.set_result(answers[method])
+        return done
+
     def shutdown(self) -> None:
         pass
 
@@ -78,3 +87,13 @@ def test_replica_stats_merge_as_one_engines() -> None:
         num_running=3, num_waiting=1, kv_cache_usage=0.375, prefix_cache_queries=16,
         prefix_cache_hits=4, num_preemptions=1, step_count=10,
     )  # fmt: skip
+
+
+def test_utility_results_are_one_engines(monkeypatch) -> None:
+    """LLM(data_parallel_size=N).get_stats() and reset_prefix_cache() answer as one engine's
+    (they returned a list a replica, so .num_running raised AttributeError)."""
+    client = client_with_two_requests(monkeypatch)
+    assert client.call_utility("get_stats") == SchedulerStats(num_running=2)
+    assert client.call_utility("reset_prefix_cache") == 6
+    assert client.call_utility("is_sleeping") is True and client.call_utility("sleep") is None
+    assert client.call_utility("echo", 5) == [(5,), (5,)]  # the rest: one result a replica

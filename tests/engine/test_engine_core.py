@@ -170,3 +170,40 @@ def test_prompt_logprobs_match_the_reference(budget: int) -> None:
             assert lp.sampled_rank == int((row >= row[prompt[j]]).sum())
         core.add_request(request("p", prompt, temperature=0.0, prompt_logprobs=3))
     core.shutdown()
+
+
+def test_outputs_split_by_client_keep_every_row_column() -> None:
+    """An engine serving several clients sends each its rows with all their columns (prompt
+    logprobs had been dropped); every row-keyed column of EngineCoreOutputs is carried."""
+    import typing
+
+    import msgspec
+
+    from shm_engine.engine.core_proc import _split_by_client
+    from shm_engine.engine.protocol import ROW_COLUMNS, EngineCoreOutputs, Logprobs
+
+    row_keyed = {
+        f.name
+        for f in msgspec.structs.fields(EngineCoreOutputs)
+        if typing.get_origin(f.type) is dict and typing.get_args(f.type)[0] is int
+    }
+    assert row_keyed == set(ROW_COLUMNS)
+    lp = [Logprobs([5, 6], [-0.1, -2.0], 1)]
+    out = EngineCoreOutputs(
+        request_ids=["a", "b", "c"],
+        num_new_tokens=[1, 2, 1],
+        new_token_ids=[10, 20, 21, 30],
+        finished={1: "stop", 2: "length"},
+        stop_reasons={1: 7},
+        num_cached_tokens={0: 16, 2: 32},
+        logprobs={0: lp, 2: lp},
+        prompt_logprobs={0: lp, 2: lp},
+    )
+    parts = _split_by_client(out, {"a": 0, "b": 1, "c": 0})
+    a_c, b = parts[0], parts[1]
+    assert (a_c.request_ids, a_c.new_token_ids, b.request_ids, b.new_token_ids) == (
+        ["a", "c"], [10, 30], ["b"], [20, 21]
+    )  # fmt: skip
+    assert a_c.finished == {1: "length"} and b.finished == {0: "stop"} and b.stop_reasons == {0: 7}
+    assert a_c.num_cached_tokens == {0: 16, 1: 32} and a_c.logprobs == {0: lp, 1: lp}
+    assert a_c.prompt_logprobs == {0: lp, 1: lp} and not b.prompt_logprobs
