@@ -16,6 +16,7 @@ gracefully (channels closed, so clients see the engine go away at once).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -24,6 +25,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 
 import msgspec
 
@@ -43,7 +45,14 @@ from shm_engine.engine.protocol import (
     UtilityCall,
     UtilityOutput,
 )
-from shm_engine.ipc import ChannelClosedError, MalformedMessage, PeerDeadError, detach
+from shm_engine.ipc import (
+    Channel,
+    ChannelClosedError,
+    IPCError,
+    MalformedMessage,
+    PeerDeadError,
+    detach,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +117,14 @@ class EngineCoreProc:
             # IO threads) inherits the mask.
             os.sched_setaffinity(0, self.config.cpu_ids)
         try:
-            self.core = EngineCore(self.config)
+            with _stop_if_clients_leave(self.channels):
+                self.core = EngineCore(self.config)
         except BaseException as e:
             # Tell the clients why, instead of leaving them to see only a dead peer.
+            message = f"engine failed to start: {type(e).__name__}: {e}"
             for chan in self.channels:
-                chan.send(EngineDead(message=f"engine failed to start: {type(e).__name__}: {e}"))
+                with contextlib.suppress(IPCError):  # a client that is gone
+                    chan.send(EngineDead(message=message))
             raise
         self.core.before_update = self._apply_eager_aborts
         # NOTE: this process is the engine's alone, so its long-lived heap (model, tokenizer,
@@ -373,6 +385,31 @@ def _request_id_of(body: bytes | None) -> str:
 
 def _error_output(request_id: str, message: str) -> EngineCoreOutputs:
     return EngineCoreOutputs(errors=[RequestError(request_id, message)], timestamp=time.time())
+
+
+@contextlib.contextmanager
+def _stop_if_clients_leave(channels: list[Channel]) -> Iterator[None]:
+    """While the model loads, SIGTERM this process once every client has hung up.
+
+    NOTE: nothing reads the channels during the load (seconds), so a frontend killed then left
+    its engine loading on until the ready message found it gone, both cores busy for nobody
+    while a restarted frontend's new engine loaded beside it.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if all(chan.peer_hung_up() for chan in channels):
+                os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler ends the load
+                return
+
+    watcher = threading.Thread(target=watch, name="load-watchdog", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _split_by_client(out: EngineCoreOutputs, owner: dict[str, int]) -> dict[int, EngineCoreOutputs]:

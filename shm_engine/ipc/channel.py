@@ -218,6 +218,16 @@ class Channel:
             self._peer_dead = True
             raise PeerDeadError("peer process is gone (liveness socket hung up)")
 
+    def peer_hung_up(self) -> bool:
+        """Whether the peer's liveness socket has hung up (its process is gone); False for a
+        channel without one. Reads only the socket: another thread may ask while this channel
+        is otherwise unused (an engine loading its model watches its clients so)."""
+        if self._sock is None or self._closed:
+            return self._peer_dead
+        poller = select.poll()  # NOTE: its own: a poll object must not be polled concurrently
+        poller.register(self._sock.fileno(), _POLL_MASK)
+        return self._peer_dead or bool(poller.poll(0))
+
     def _slice(self, timeout: float | None) -> int:
         if timeout is None:
             return self._slice_ns

@@ -780,3 +780,49 @@ def test_llm_takes_the_models_generation_config_defaults(tmp_path) -> None:
         assert llm.generate("hello", same, use_tqdm=False)[0].outputs[0].token_ids == runs[0][:4]
         plain = SamplingParams(max_tokens=4, temperature=0.0)  # no penalty: this model repeats
         assert llm.generate("hello", plain, use_tqdm=False)[0].outputs[0].token_ids != runs[0][:4]
+
+
+def test_an_engine_stops_loading_when_its_frontend_dies():
+    """A frontend killed while its engine loads the model: the engine stops within a second,
+    not once the load is done (nothing read its channels then; ~8 s on this machine)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    before = shm_entries()
+    code = (
+        "from shm_engine.engine.client import SyncMPClient\n"
+        "from shm_engine.engine.config import EngineConfig\n"
+        f"SyncMPClient(EngineConfig(dtype={DTYPE!r}, num_kv_blocks=64))\n"
+    )
+    front = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        engine, deadline = None, time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the engine has the model file open
+            kids = psutil.Process(front.pid).children()
+            engine = next((p for p in kids if "core_proc" in " ".join(p.cmdline())), engine)
+            if engine is not None and any(f.path.endswith(".gguf") for f in engine.open_files()):
+                break
+            time.sleep(0.02)
+        assert engine is not None, "no engine process"
+        front.kill()
+        front.wait()
+        killed = time.monotonic()
+        while time.monotonic() - killed < 30 and _running(engine):
+            time.sleep(0.02)
+        assert time.monotonic() - killed < 2.0
+    finally:
+        front.kill()
+        front.wait()
+    assert shm_entries() <= before
+
+
+def _running(p) -> bool:
+    """Alive and not a zombie (an orphan's reaper may take its time)."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
