@@ -223,7 +223,12 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        """Release the KV cache memory; only when idle (a running request would lose its KV)."""
+        """Release the KV cache memory; only when idle (a running request would lose its KV).
+
+        ``level`` is vLLM's (1: weights kept, 2: weights dropped too); both release the KV cache
+        only here: a CPU engine's weights are its packed copy, re-made only by a reload."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self.has_work():
             raise RuntimeError("cannot sleep with requests in flight")
         if not self._sleeping:

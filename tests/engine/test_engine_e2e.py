@@ -277,6 +277,9 @@ def test_sleep_releases_and_wake_up_restores_the_cache(client, tokenizer):
     client.add_request(request("before-sleep", tokenizer.encode("Hello"), 4))
     collect(client, ["before-sleep"])
     rss_awake = psutil.Process(pid).memory_info().rss
+    with pytest.raises(UtilityError, match="sleep level must be 1 or 2"):
+        client.call_utility("sleep", "x")  # vLLM's levels; anything else had been taken
+    assert client.call_utility("is_sleeping") is False
     client.call_utility("sleep")
     assert client.call_utility("is_sleeping") is True
     rss_asleep = psutil.Process(pid).memory_info().rss
