@@ -68,6 +68,8 @@ class EngineCore:
         vocab = self.runner.vocab_size
         if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):  # as vLLM; negatives: validate()
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         self.scheduler.check_fits(len(prompt))
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -56,6 +56,13 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token id {bad} is out of the vocabulary (size {vocab_size})")
 
 
+def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse stop ids the model can never sample (vLLM refuses them too)."""
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"stop token id {bad} is out of the vocabulary (size {vocab_size})")
+
+
 class _Stream:
     """Newest output of one request plus a wake-up for its consumer."""
 
@@ -197,6 +204,7 @@ class AsyncLLM:
         """Reject a prompt that cannot fit before it costs an engine round trip."""
         n = len(prompt_token_ids)
         check_prompt_fits(n, self.max_model_len)
+        check_stop_token_ids(params, self.client.ready.vocab_size)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens; "

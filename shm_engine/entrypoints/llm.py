@@ -21,7 +21,11 @@ from shm_engine.engine.client import EngineDeadError, InprocClient, SyncMPClient
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest
-from shm_engine.entrypoints.async_engine import check_prompt_fits, check_token_ids
+from shm_engine.entrypoints.async_engine import (
+    check_prompt_fits,
+    check_stop_token_ids,
+    check_token_ids,
+)
 from shm_engine.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": ...}
@@ -98,6 +102,8 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
+        for sp in params:
+            check_stop_token_ids(sp, self.client.ready.vocab_size)
         # Every prompt is tokenized (and checked) before any is sent.
         inputs = [self._tokenize(p) for p in prompts]
         ids: list[str] = []
@@ -136,6 +142,7 @@ class LLM:
         params = sampling_params or self.get_default_sampling_params()
         if params.n != 1:
             raise ValueError("stream() produces one completion; use generate() for n > 1")
+        check_stop_token_ids(params, self.client.ready.vocab_size)
         rid = self._add(*self._tokenize(prompt), params)
         sent = 0
         hold = params.stop_holdback

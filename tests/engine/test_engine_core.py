@@ -207,3 +207,26 @@ def test_outputs_split_by_client_keep_every_row_column() -> None:
     assert a_c.finished == {1: "length"} and b.finished == {0: "stop"} and b.stop_reasons == {0: 7}
     assert a_c.num_cached_tokens == {0: 16, 1: 32} and a_c.logprobs == {0: lp, 1: lp}
     assert a_c.prompt_logprobs == {0: lp, 1: lp} and not b.prompt_logprobs
+
+
+def test_stop_token_ids_past_the_vocabulary_are_refused() -> None:
+    """As vLLM: a stop id the model can never sample is a mistake, not a no-op."""
+    import numpy as np
+
+    from shm_engine.engine.protocol import EngineCoreRequest
+
+    core = make_core()
+    try:
+        for ids, ok in (([CONFIG.vocab_size - 1], True), ([CONFIG.vocab_size], False)):
+            msg = EngineCoreRequest(
+                request_id="r",
+                prompt_token_ids=np.array([1, 2], dtype=np.int32),
+                sampling_params=SamplingParams(stop_token_ids=ids),
+            )
+            if ok:
+                core.preprocess(msg)
+            else:
+                with pytest.raises(ValueError, match="stop_token_ids must be in"):
+                    core.preprocess(msg)
+    finally:
+        core.shutdown()
