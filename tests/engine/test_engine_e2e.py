@@ -595,7 +595,8 @@ def test_data_parallel_replicas_share_the_work():
     before = shm_entries()
     with LLM(dtype=DTYPE, num_kv_blocks=128, data_parallel_size=2) as llm:
         dp = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.get_stats()
+        stats = [e.call_utility("get_stats") for e in llm.client.engines]
+        merged = llm.get_stats()  # one engine's stats, as without replicas
         affinities = [psutil.Process(e.proc.pid).cpu_affinity() for e in llm.client.engines]
         # An id reused after an abort: the first request's late output is neither taken for
         # the second's nor releases it, so aborting the second still reaches its replica.
@@ -613,6 +614,7 @@ def test_data_parallel_replicas_share_the_work():
             late += out.request_ids.count("X") if out else 0
         assert late <= 2 and c.router.load == [0, 0]
     assert len(stats) == 2 and all(s.step_count > 0 for s in stats)
+    assert merged.step_count == sum(s.step_count for s in stats)
     assert affinities[0] and affinities[1] and not set(affinities[0]) & set(affinities[1])
     single = LLM(dtype=DTYPE, num_kv_blocks=128, in_process=True)
     ref = single.generate(prompts, params, use_tqdm=False)
