@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -418,32 +419,30 @@ def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def _positive_int(text: str) -> int:
+def _parse(kind: type[int] | type[float], text: str) -> Any:
     try:
-        value = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
 
 
-def _count(text: str) -> int:
-    """A count that may be 0 (warm-up requests)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _parse(int, text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_count = _int_at_least(0)  # warm-up requests may be none
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parse(float, text)
     if not 0 < value < math.inf:  # also NaN
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
@@ -451,10 +450,7 @@ def _seconds(text: str) -> float:
 
 def _rate(text: str) -> float:
     """Requests per second: > 0, or inf for all at once (0 was sent unpaced but reported as 0)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parse(float, text)
     if not value > 0:  # also NaN
         raise argparse.ArgumentTypeError(f"must be > 0 (inf: all at once), got {text}")
     return value
