@@ -29,11 +29,13 @@ def _block_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
+def _int8_kv_name(config: EngineConfig) -> str:
+    return "fp16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+
+
 def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
     """The KV cache's element type for this config (the model's own ``kv_dtype``)."""
-    if config.dtype != "int8":
-        return torch.float32
-    return KV_CACHE_DTYPES["fp16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype]
+    return KV_CACHE_DTYPES[_int8_kv_name(config)] if config.dtype == "int8" else torch.float32
 
 
 def build_model(config: EngineConfig, loaded: LoadedModel):
@@ -45,7 +47,7 @@ def build_model(config: EngineConfig, loaded: LoadedModel):
             loaded.config,
             loaded.weights,
             num_threads=config.resolved_threads(),
-            kv_cache_dtype="fp16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+            kv_cache_dtype=_int8_kv_name(config),
         )
     from shm_engine.model.torch_model import TorchLlama
 
