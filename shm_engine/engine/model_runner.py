@@ -54,6 +54,33 @@ def build_model(config: EngineConfig, loaded: LoadedModel):
     return TorchLlama(loaded.config, loaded.weights)
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel can hand out without swapping (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_memory(kv_bytes: int) -> None:
+    """Refuse a KV cache budget larger than the memory available.
+
+    NOTE: the cache is allocated lazily by the OS and then zeroed page by page, so too large a
+    budget passed the allocation and ended with the OOM killer taking this process (or a
+    neighbour) mid-start, where it now fails with a message.
+    """
+    available = available_memory()
+    if available is not None and kv_bytes > available:
+        raise ValueError(
+            f"a KV cache of {kv_bytes / 2**30:.2f} GiB does not fit in the "
+            f"{available / 2**30:.2f} GiB of memory available: lower the KV cache budget"
+        )
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded=None, model=None) -> None:
         self.config = config
@@ -79,6 +106,7 @@ class ModelRunner:
                 f"a KV cache budget of {config.kv_cache_bytes} bytes holds no block: one block of "
                 f"{self.block_size} tokens takes {per_block} bytes for this model"
             )
+        check_fits_memory(self.num_blocks * per_block)
         # NOTE: the cache is zeroed (its pages faulted in, on huge pages after compaction:
         # 1.4 s for 512 MiB on a 2-core guest) while the weights are dequantised and packed,
         # mostly one thread's work. Threads are joined before any error leaves this method.

@@ -108,6 +108,21 @@ def test_a_kv_budget_without_room_for_a_block_is_refused() -> None:
         ModelRunner(cfg, loaded, TorchLlama(CONFIG, WEIGHTS))
 
 
+def test_a_kv_budget_past_the_memory_available_is_refused() -> None:
+    """A clear error before anything is allocated, not the OOM killer mid-start."""
+    from shm_engine.engine.model_runner import available_memory
+
+    avail = available_memory()
+    if avail is None:
+        pytest.skip("no /proc/meminfo")
+    # NOTE: 4x what is available: were the check gone, the kernel's overcommit heuristic
+    # would refuse the allocation outright rather than let it be touched.
+    cfg = EngineConfig(block_size=4, kv_cache_bytes=4 * avail, num_threads=1, dtype="float32")
+    loaded = types.SimpleNamespace(config=CONFIG, tokenizer=None)
+    with pytest.raises(ValueError, match="GiB of memory available"):
+        ModelRunner(cfg, loaded, TorchLlama(CONFIG, WEIGHTS))
+
+
 def test_a_dummy_batch_never_runs_beside_a_step() -> None:
     # With a batch queue a step's forward runs on the model thread; a dummy forward from the
     # busy loop ran at the same time, over the same scratch buffers and kernel thread pool.
