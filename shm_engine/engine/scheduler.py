@@ -234,7 +234,8 @@ class Scheduler:
                 if j1 > j0:
                     chunk.score = (j0, j1)
             out.chunks.append(chunk)
-        self.step_count += 1
+        if out.chunks:  # a model step; with a batch queue, schedule() also runs with none to add
+            self.step_count += 1
         return out
 
     def _chunk_size(self, req: Request, remaining: int, budget: int) -> int:

@@ -245,3 +245,28 @@ def test_stop_token_ids_past_the_vocabulary_are_refused() -> None:
                     core.preprocess(msg)
     finally:
         core.shutdown()
+
+
+@pytest.mark.parametrize("batch_queue_size", [1, 2])
+def test_step_count_counts_model_steps(batch_queue_size: int) -> None:
+    """With a batch queue, schedule() also runs when it has nothing to add; those are no steps
+    (get_stats' step_count was about twice the model's forwards)."""
+    core = make_core(batch_queue_size, step_s=0.01)
+    forwards = 0
+    execute = core.runner.execute
+
+    def counted(sched):
+        nonlocal forwards
+        forwards += 1
+        return execute(sched)
+
+    core.runner.execute = counted
+    try:
+        for i in range(3):
+            core.add_request(request(f"r{i}", [1, 2, 3 + i]))
+        step = core.step_with_batch_queue if batch_queue_size > 1 else core.step
+        while core.has_work():
+            step()
+        assert core.scheduler.step_count == forwards > 0
+    finally:
+        core.shutdown()
