@@ -178,7 +178,7 @@ def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
 
 def _chat_prompt(llm, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
     tok = llm.get_tokenizer()
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text, tok.encode(text, add_special_tokens=False)
 
 

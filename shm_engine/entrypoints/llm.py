@@ -26,6 +26,7 @@ from shm_engine.entrypoints.async_engine import (
     check_stop_token_ids,
     check_token_ids,
 )
+from shm_engine.entrypoints.hf_tokenizer import HFStyleTokenizer
 from shm_engine.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": ...}
@@ -78,8 +79,9 @@ class LLM:
         """The longest sequence, prompt and output, a request may reach."""
         return self.client.ready.max_model_len
 
-    def get_tokenizer(self):
-        return self.tokenizer
+    def get_tokenizer(self) -> HFStyleTokenizer:
+        """The model's tokenizer with Hugging Face's conventions (as vLLM's get_tokenizer)."""
+        return HFStyleTokenizer(self.tokenizer)
 
     # ------------------------------------------------------------------ generation
 
@@ -88,9 +90,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Every prompt is checked before any is sent: an
-        empty one or one that cannot fit the context raises ValueError, as in vLLM."""
+        empty one or one that cannot fit the context raises ValueError, as in vLLM.
+
+        ``priority``: one a prompt, for ``scheduling_policy="priority"`` (lower runs first). A
+        prompt dict may carry vLLM's ``cache_salt`` (prefix-cache blocks shared only within it)."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         if sampling_params is None:
@@ -102,14 +108,17 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError("give one priority per prompt")
         for sp in params:
             check_stop_token_ids(sp, self.client.ready.vocab_size)
         # Every prompt is tokenized (and checked) before any is sent.
-        inputs = [self._tokenize(p) for p in prompts]
+        inputs = [(*self._tokenize(p), _cache_salt(p)) for p in prompts]
         ids: list[str] = []
         try:
-            for (text, token_ids), sp in zip(inputs, params, strict=True):
-                ids.append(self._add(text, token_ids, sp))
+            for (text, token_ids, salt), sp, prio in zip(inputs, params, priorities, strict=True):
+                ids.append(self._add(text, token_ids, sp, prio, salt))
         except BaseException:
             self._abort(ids)  # the prompts sent before the one that failed
             raise
@@ -122,6 +131,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's own chat template (with its default system prompt) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
@@ -131,7 +141,12 @@ class LLM:
                 "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
             }
             for text in (
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template)
+                self.tokenizer.apply_chat_template(
+                    conv,
+                    add_generation_prompt,  # with continue_final_message: ValueError (vLLM)
+                    chat_template,
+                    continue_final_message=continue_final_message,
+                )
                 for conv in conversations
             )
         ]
@@ -143,7 +158,7 @@ class LLM:
         if params.n != 1:
             raise ValueError("stream() produces one completion; use generate() for n > 1")
         check_stop_token_ids(params, self.client.ready.vocab_size)
-        rid = self._add(*self._tokenize(prompt), params)
+        rid = self._add(*self._tokenize(prompt), params, cache_salt=_cache_salt(prompt))
         sent = 0
         hold = params.stop_holdback
         try:
@@ -181,7 +196,14 @@ class LLM:
         check_prompt_fits(len(token_ids), self.max_model_len)
         return text, list(token_ids)
 
-    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+    def _add(
+        self,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
         rid = str(next(self._ids))
         token_array = np.asarray(token_ids, dtype=np.int32)
         try:
@@ -192,6 +214,8 @@ class LLM:
                         prompt_token_ids=token_array,
                         sampling_params=child_params,
                         arrival_time=time.time(),
+                        priority=priority,
+                        cache_salt=cache_salt,
                     )
                 )
         except BaseException:
@@ -269,3 +293,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """vLLM's prompt-dict ``cache_salt``: a non-empty string, or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt

@@ -14,7 +14,8 @@ from .config import ModelConfig
 from .tokenizer import Tokenizer
 
 # generation_config.json keys vLLM takes as the defaults of requests that leave them unset
-# (its generation_config="auto"); do_sample is not one of them, as in vLLM.
+# (its generation_config="auto"), with max_new_tokens as max_tokens; do_sample is not one of
+# them, as in vLLM.
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -33,6 +34,11 @@ def read_sampling_defaults(path: Path) -> dict[str, float | int]:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{file}: {key} must be a number, got {value!r}")
         out[key] = int(value) if key == "top_k" else float(value)
+    max_new = gen.get("max_new_tokens")  # HF's name for max_tokens (vLLM maps it so)
+    if max_new is not None:
+        if isinstance(max_new, bool) or not isinstance(max_new, int):
+            raise ValueError(f"{file}: max_new_tokens must be an integer, got {max_new!r}")
+        out["max_tokens"] = max_new
     try:
         SamplingParams(**out)  # values a request could not take fail at load, not per request
     except ValueError as e:

@@ -339,6 +339,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render the model's own chat template (as text; encode with add_special_tokens=False).
@@ -346,15 +347,30 @@ class Tokenizer:
         Content given as OpenAI-style text parts is handed over as the template expects it
         (vLLM's content formats): as the parts to a template that loops over
         ``message.content``, else as one string, the parts joined by newlines.
+        ``continue_final_message``: the text ends inside the last message, for the model to go
+        on with it (transformers' rule: a tag after its text marks where to cut).
         """
         template, wants_parts = self._compiled(chat_template)
-        return template.render(
-            messages=[_for_template(m, wants_parts) for m in messages],
+        rendered = [_for_template(m, wants_parts) for m in messages]
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt exclude each other"
+                )
+            final = _tag_final_text(rendered)
+        text = template.render(
+            messages=rendered,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if not continue_final_message:
+            return text
+        cut = text.rfind(_CONTINUE_TAG.strip())
+        if cut < 0 or final.strip() not in text:
+            raise ValueError("continue_final_message: the template does not show the final message")
+        return text[:cut] if text.startswith(_CONTINUE_TAG, cut) else text[:cut].rstrip()
 
     def _compiled(self, override: str | None) -> tuple[jinja2.Template, bool]:
         if override is not None:
@@ -622,3 +638,26 @@ def _chat_env() -> ImmutableSandboxedEnvironment:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         _ENV = env
     return _ENV
+
+
+# Marks where the final message's text ends, to cut the rendering there (transformers' tag).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_text(messages: list[dict[str, Any]]) -> str:
+    """Append the tag to the last message's (last text part's) text; returns that text."""
+    if not messages:
+        raise ValueError("continue_final_message needs a message to continue")
+    last = messages[-1] = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE_TAG
+        return content
+    parts = [dict(p) for p in content or []]
+    for part in reversed(parts):
+        if isinstance(part.get("text"), str):
+            text = part["text"]
+            part["text"] = text + _CONTINUE_TAG
+            last["content"] = parts
+            return text
+    raise ValueError("continue_final_message: the final message has no text to continue")

@@ -774,13 +774,14 @@ def test_llm_takes_the_models_generation_config_defaults(tmp_path) -> None:
     save_hf_model(tmp_path, config, tiny_weights(config))
     tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata())
     (tmp_path / "tokenizer.json").write_text(tok.backend.to_str())
-    gen = {"temperature": 0.0, "repetition_penalty": 1.3}
+    gen = {"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 5}
     (tmp_path / "generation_config.json").write_text(json.dumps(gen))
     with LLM(str(tmp_path), dtype=DTYPE, num_kv_blocks=16, in_process=True) as llm:
         d = llm.get_default_sampling_params()
         assert (d.temperature, d.repetition_penalty, d.top_p) == (0.0, 1.3, 1.0)
         runs = [llm.generate("hello", use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
         assert runs[0] == runs[1] == runs[2]  # greedy, from the model's defaults
+        assert len(runs[0]) == 5 == d.max_tokens  # max_new_tokens, as vLLM maps it
         same = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3)
         assert llm.generate("hello", same, use_tqdm=False)[0].outputs[0].token_ids == runs[0][:4]
         plain = SamplingParams(max_tokens=4, temperature=0.0)  # no penalty: this model repeats
@@ -831,3 +832,27 @@ def _running(p) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_llm_prompt_cache_salt_and_priority():
+    """vLLM's prompt-dict cache_salt keeps prefix-cache blocks apart (it had been dropped, so
+    tenants shared them); generate takes one priority a prompt."""
+    from shm_engine import LLM
+
+    text = "Tell me about the history of the city of Paris in a few short sentences. " * 2
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM(dtype=DTYPE, num_kv_blocks=128, in_process=True) as llm:
+
+        def cached(salt: str | None) -> int:
+            prompt = {"prompt": text} if salt is None else {"prompt": text, "cache_salt": salt}
+            return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+        assert cached("tenant-a") == 0
+        assert cached("tenant-b") == 0 and cached(None) == 0  # other salts share nothing
+        assert cached("tenant-a") > 0
+        with pytest.raises(ValueError, match="cache_salt"):
+            cached("")
+        outs = llm.generate(["a", "b"], params, use_tqdm=False, priority=[1, 0])
+        assert len(outs) == 2
+        with pytest.raises(ValueError, match="priority"):
+            llm.generate(["a", "b"], params, use_tqdm=False, priority=[1])

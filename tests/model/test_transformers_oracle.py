@@ -266,3 +266,29 @@ def test_gguf_tokenizer_matches_transformers(
         assert tok.apply_chat_template(messages, add_generation_prompt=True) == expected
     assert tok.eos_token_ids[0] == hf.eos_token_id
     assert tok.bos_token_id == hf.bos_token_id
+
+
+@pytest.mark.slow
+def test_llm_get_tokenizer_answers_as_the_hf_tokenizer(
+    smollm: LoadedModel, hf_gguf_tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
+    """vLLM's get_tokenizer() is the HF tokenizer, and scripts call it with HF's defaults:
+    chat templates give ids without a generation prompt, decode keeps special tokens, and
+    continue_final_message ends the text inside the last message."""
+    from shm_engine.entrypoints.hf_tokenizer import HFStyleTokenizer
+
+    tok, hf = HFStyleTokenizer(smollm.tokenizer), hf_gguf_tokenizer
+    for messages in MESSAGES:
+        ids = hf.apply_chat_template(messages, return_dict=False)
+        assert tok.apply_chat_template(messages) == ids
+        assert tok.apply_chat_template(messages, return_dict=True).input_ids == ids
+        gen = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert gen == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    partial = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hel"}]
+    want = hf.apply_chat_template(partial, continue_final_message=True, tokenize=False)
+    assert tok.apply_chat_template(partial, continue_final_message=True, tokenize=False) == want
+    ids = hf.encode("<|im_start|>user\nHi<|im_end|>\n", add_special_tokens=False)
+    assert tok.decode(ids) == hf.decode(ids) and tok.batch_decode([ids]) == hf.batch_decode([ids])
+    assert tok("Hi there").input_ids == hf("Hi there").input_ids
+    assert (tok.eos_token_id, len(tok)) == (hf.eos_token_id, len(hf))
+    assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)

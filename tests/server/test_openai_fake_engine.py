@@ -305,7 +305,12 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(fake) -> 
     """As vLLM's generation_config="auto": the model's values replace the API defaults, and
     a request's own values (0 included) win."""
     client, engine = fake
-    engine.sampling_defaults = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.05}
+    engine.sampling_defaults = {
+        "temperature": 0.6,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 7,  # max_new_tokens
+    }
     seen = []
 
     def script(ids, params):
@@ -317,8 +322,17 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(fake) -> 
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
     body = {"prompt": "hi", "temperature": 0, "top_k": 0, "top_p": 0.5}
     assert client.post("/v1/completions", json=body).status_code == 200
-    got = [(p.temperature, p.top_k, p.top_p, p.repetition_penalty) for p in seen]
-    assert got == [(0.6, 20, 1.0, 1.05), (0.0, 0, 0.5, 1.05)]
+    assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+    assert (
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 16}).status_code == 200
+    )
+    got = [(p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.max_tokens) for p in seen]
+    assert got == [
+        (0.6, 20, 1.0, 1.05, 7),
+        (0.0, 0, 0.5, 1.05, 7),
+        (0.6, 20, 1.0, 1.05, 7),
+        (0.6, 20, 1.0, 1.05, 16),  # given, even at OpenAI's default value
+    ]
 
 
 def test_a_failed_prompt_cancels_the_other_prompts_consumers(monkeypatch) -> None:
