@@ -106,6 +106,15 @@ class ModelRunner:
                 f"a KV cache budget of {config.kv_cache_bytes} bytes holds no block: one block of "
                 f"{self.block_size} tokens takes {per_block} bytes for this model"
             )
+        capacity = self.num_blocks * self.block_size
+        if config.max_model_len and config.max_model_len > capacity:
+            # NOTE: as vLLM, a context the cache cannot hold once is a start-up error; it had
+            # been lowered to the cache's size without a word.
+            raise ValueError(
+                f"max_model_len {config.max_model_len} does not fit in the KV cache "
+                f"({self.num_blocks} blocks of {self.block_size} tokens: {capacity} tokens); "
+                "raise the KV cache budget or lower max_model_len"
+            )
         check_fits_memory(self.num_blocks * per_block)
         # NOTE: the cache is zeroed (its pages faulted in, on huge pages after compaction:
         # 1.4 s for 512 MiB on a 2-core guest) while the weights are dequantised and packed,
@@ -131,7 +140,15 @@ class ModelRunner:
         check_max_model_len(config.max_model_len, limit, what)
         # NOTE: never longer than the whole cache holds: a lone sequence that outgrew the cache
         # would preempt itself and be readmitted forever.
-        self.max_model_len = min(config.max_model_len or limit, self.num_blocks * self.block_size)
+        self.max_model_len = min(config.max_model_len or limit, capacity)
+        if self.max_model_len < limit and not config.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the model's context (%d): "
+                "max_model_len is %d",
+                capacity,
+                limit,
+                self.max_model_len,
+            )
         from shm_engine.model.sampler import Sampler
 
         self.sampler = Sampler()

@@ -383,3 +383,16 @@ def test_config_from_written_gguf_uses_tensor_list(tmp_path: Path) -> None:
         assert isinstance(m.config, ModelConfig)
         assert m.config.tie_word_embeddings == c.tie_word_embeddings
         assert m.config.attention_bias == c.attention_bias
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused(tmp_path: Path) -> None:
+    """As vLLM: a configured context the cache cannot hold once fails at start-up (it had been
+    lowered to the cache's size without a word); unset, the cache's size is taken (logged)."""
+    from shm_engine.engine.config import EngineConfig
+    from shm_engine.engine.model_runner import ModelRunner
+
+    config = tiny_config(max_position_embeddings=256)
+    path = write_tiny_gguf(tmp_path / "m.gguf", config, tiny_weights(config))
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        ModelRunner(EngineConfig(model=str(path), max_model_len=65, num_kv_blocks=4))
+    assert ModelRunner(EngineConfig(model=str(path), num_kv_blocks=4)).max_model_len == 64
