@@ -52,6 +52,8 @@ class FastGGUFReader(GGUFReader):
         ):
             return super()._get_field_parts(orig_offs, raw_type)
         itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        if len(itype) != 1 or len(alen) != 1:
+            raise ValueError(f"array header at {orig_offs} runs past the end of the file")
         item = GGUFValueType(int(itype[0]))
         count, offs = int(alen[0]), orig_offs + 12
         parts: list[np.ndarray] = [itype, alen]
@@ -60,6 +62,8 @@ class FastGGUFReader(GGUFReader):
             if offs + 8 * count > len(data):  # every string takes at least its length word
                 raise ValueError(f"string array of {count} items at {orig_offs} runs past the file")
             for _ in range(count):
+                if offs + 8 > len(data):
+                    raise ValueError(f"string length at {offs} runs past the end of the file")
                 (n,) = _U64.unpack_from(data, offs)
                 if offs + 8 + n > len(data):
                     raise ValueError(f"string at {offs} runs past the end of the file")
@@ -137,7 +141,7 @@ def read_gguf_info(path: Path) -> tuple[GGUFReader, ModelConfig, Tokenizer]:
     """Open a GGUF file and parse its config and tokenizer; the reader keeps the tensors."""
     try:
         reader = read_gguf(path)
-    except ValueError as e:  # numpy's reshape/frombuffer errors name neither file nor cause
+    except (ValueError, IndexError, struct.error) as e:  # numpy's name neither file nor cause
         raise ValueError(f"{path}: corrupt or truncated GGUF file: {e}") from e
     if getattr(reader, "byte_order", "I") != "I":
         # The dequantizers read little-endian bytes: a big-endian file would load as garbage.

@@ -396,3 +396,14 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
         ModelRunner(EngineConfig(model=str(path), max_model_len=65, num_kv_blocks=4))
     assert ModelRunner(EngineConfig(model=str(path), num_kv_blocks=4)).max_model_len == 64
+
+
+def test_a_truncated_gguf_is_a_value_error_wherever_it_is_cut(tmp_path: Path) -> None:
+    """The embedded model's header cut at many places: always ValueError naming the file (a cut
+    inside the vocabulary's length words had raised struct.error)."""
+    data = default_model.default_model_path().read_bytes()[:2_000_000]
+    cut = tmp_path / "cut.gguf"
+    for n in [*range(3, 40, 4), *range(200, len(data), 41_011)]:
+        cut.write_bytes(data[:n])
+        with pytest.raises(ValueError, match="corrupt or truncated GGUF"):
+            load_model_info(cut)
