@@ -193,9 +193,13 @@ class LogprobFormatter:
             "text_offset": offsets,
         }
 
-    def prompt(self, out: RequestOutput, text: str, skip_special: bool | None) -> dict[str, Any]:
+    def prompt(
+        self, out: RequestOutput, text: str, skip_special: bool | None, top_n: int
+    ) -> dict[str, Any]:
         """The echoed prompt's tokens in the completions shape (``echo`` with ``logprobs``): the
-        first has no logprob (nothing predicts it), offsets index ``text``.
+        first has no logprob (nothing predicts it), offsets index ``text``; each position shows
+        its token and the ``top_n`` most likely (the engine holds more when vLLM's
+        ``prompt_logprobs`` asks for more), so ``prompt_logprobs`` never widens them.
 
         ``skip_special`` None: a special token counts where ``text`` holds it (a text prompt
         echoed as given holds the special tokens typed in it, not a BOS the tokenizer added).
@@ -207,6 +211,8 @@ class LogprobFormatter:
             lps = entries[j] if j < len(entries) else None
             tokens.append(self.tokens.string(tid))
             token_lps.append(None if lps is None or tid not in lps else lps[tid].logprob)
+            if lps is not None:  # the token and its top_n by rank
+                lps = {t: v for t, v in lps.items() if t == tid or (v.rank or 0) <= top_n}
             tops.append(None if lps is None else self._top_dict(lps))
             skip = skip_special
             if skip is None:

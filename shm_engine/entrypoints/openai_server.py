@@ -440,7 +440,7 @@ class OpenAIServer:
             skip = params.skip_special_tokens
             echoed = None
             if req.echo_logprobs:
-                echoed = self.logprobs.prompt(p.final, prefix, echo_skip)
+                echoed = self.logprobs.prompt(p.final, prefix, echo_skip, req.logprobs)
             for c in p.final.outputs:
                 text, lp, finish, reason = prefix + c.text, echoed, _finish_reason(c), c.stop_reason
                 if req.echo_only:
@@ -519,7 +519,7 @@ class OpenAIServer:
                             st.lp.offset = len(prefix)  # offsets count the echoed prompt
                         lp = None
                         if req.echo_logprobs:
-                            lp = self.logprobs.prompt(out, prefix, echo_skip)
+                            lp = self.logprobs.prompt(out, prefix, echo_skip, req.logprobs)
                         echoed = [{"index": i * n + j, "text": prefix, "logprobs": lp,
                                    "finish_reason": None} for j in range(n)]  # fmt: skip
                         yield chunk(echoed)

@@ -153,6 +153,8 @@ def test_vllm_prompt_logprobs_field(server, model: str) -> None:
     url = server.url + "/v1/completions"
     r = httpx.post(url, json={**body, "prompt_logprobs": 2, "echo": True, "logprobs": 1})
     choice = r.json()["choices"][0]
+    plain = httpx.post(url, json={**body, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert choice["logprobs"] == plain["logprobs"]  # echo's own width, whatever prompt_logprobs
     echoed = choice["logprobs"]["token_logprobs"][: len(choice["prompt_logprobs"])]
     plp = choice["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(echoed) > 3
