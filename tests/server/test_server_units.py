@@ -334,5 +334,5 @@ def test_echoed_text_prompt_offsets_skip_a_bos_the_tokenizer_added() -> None:
     for text, added in [("Hello world", True), ("<|im_start|>Hello world", False)]:
         ids = ([bos] if added else []) + tok.encode(text, add_special_tokens=False)
         out = RequestOutput("r", text, ids, [])
-        offsets = fmt.prompt(out, text, None)["text_offset"]
+        offsets = fmt.prompt(out, text, None, 1)["text_offset"]
         assert offsets == ([0, 0, 5] if added else [0, 12, 17]), text
