@@ -132,6 +132,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's own chat template (with its default system prompt) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
@@ -146,6 +147,7 @@ class LLM:
                     add_generation_prompt,  # with continue_final_message: ValueError (vLLM)
                     chat_template,
                     continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}),
                 )
                 for conv in conversations
             )

@@ -48,7 +48,6 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "continue_final_message": (False,),
     "echo": (False,),
     "add_special_tokens": (False,),
@@ -57,6 +56,13 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+
+
+# Template variables the server renders with itself (chat_template_kwargs may not replace them).
+_TEMPLATE_NAMES_TAKEN = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
+     "continue_final_message"}
+)  # fmt: skip
 
 
 class _SamplingFields(BaseModel):
@@ -239,10 +245,21 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, refusing names the server sets itself."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = _TEMPLATE_NAMES_TAKEN.intersection(kwargs)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}")
+        return kwargs
 
     def sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
         if self.tools:
             raise ValueError("tools are not supported by this server")
+        self.template_kwargs()  # refused names: a 400 before any work
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         max_tokens = (

@@ -278,10 +278,12 @@ class OpenAIServer:
         return await asyncio.to_thread(self._tokenize_all, texts)
 
     def _render_chat(
-        self, conversation: list[dict[str, str]], add_generation_prompt: bool, in_thread: bool
+        self, req: ChatCompletionRequest, conversation: list[dict[str, Any]], in_thread: bool
     ) -> tuple[str, list[int]]:
         text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt
+            conversation,
+            add_generation_prompt=req.add_generation_prompt,
+            **req.template_kwargs(),
         )
         return text, self._tokenize(text, False, in_thread)
 
@@ -318,12 +320,11 @@ class OpenAIServer:
     ) -> _Prompt:
         """The templated prompt; a long conversation is rendered and tokenized in a thread."""
         conversation = req.conversation()
-        add_gen = req.add_generation_prompt
         # NOTE: every message costs template work, empty or not (300k empty ones: 2 s inline).
         if sum(len(m["content"]) + 32 for m in conversation) <= INLINE_TOKENIZE_CHARS:
-            text, ids = self._render_chat(conversation, add_gen, in_thread=False)
+            text, ids = self._render_chat(req, conversation, in_thread=False)
         else:
-            text, ids = await asyncio.to_thread(self._render_chat, conversation, add_gen, True)
+            text, ids = await asyncio.to_thread(self._render_chat, req, conversation, True)
         self.engine.check_prompt(ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         return _Prompt(text, ids, params, rid, req.priority, req.cache_salt)

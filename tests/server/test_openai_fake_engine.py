@@ -268,7 +268,7 @@ def test_null_fields_mean_their_defaults(fake) -> None:
         ("/v1/completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
         ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
         ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-        ("/v1/chat/completions", {"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "may not set"),
         ("/v1/chat/completions", {"bad_words": ["no"]}, "bad_words"),
         ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
     ],
@@ -284,6 +284,27 @@ def test_vllm_fields_this_server_lacks_are_refused(fake, path, extra, field) -> 
     )
     r = client.post(path, json={**body, **extra})
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_chat_template_kwargs_reach_the_template(monkeypatch) -> None:
+    """vLLM's chat_template_kwargs (Qwen3 clients send enable_thinking) are template variables."""
+    template = (
+        TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}/no{% endif %}"
+    )
+    engine = FakeEngine(tokenizer=tiny_tokenizer(template))
+    prompts = []
+
+    def script(ids, params):
+        prompts.append(engine.tokenizer.decode(ids))
+        return replay(engine.tokenizer, "ab", None, lp=False)
+
+    engine.script = script
+    with serve_fake(monkeypatch, engine) as client:
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        off = {**chat, "chat_template_kwargs": {"enable_thinking": False}}
+        assert client.post("/v1/chat/completions", json=off).status_code == 200
+    assert prompts == ["user: hi\nassistant: ", "user: hi\nassistant: /no"]
 
 
 def test_vllm_fields_at_their_defaults_pass_and_priority_reaches_the_engine(fake) -> None:
