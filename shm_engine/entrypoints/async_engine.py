@@ -140,8 +140,10 @@ class AsyncLLM:
         tokenizer,
         model_name: str,
         sampling_defaults: dict[str, Any] | None = None,
+        priority_scheduling: bool = False,
     ) -> None:
         self.client = client
+        self.priority_scheduling = priority_scheduling  # a request's priority counts
         self.tokenizer = tokenizer
         self.model_name = model_name
         # what a request leaves unset takes from the model (generation_config.json), as in vLLM
@@ -175,7 +177,8 @@ class AsyncLLM:
         else:
             client = AsyncMPClient(config)
         name = model_name or client.ready.model_name
-        return cls(client, info.tokenizer, name, info.sampling_defaults)
+        priority = config.scheduling_policy == "priority"
+        return cls(client, info.tokenizer, name, info.sampling_defaults, priority)
 
     # ------------------------------------------------------------------ state
 
@@ -232,6 +235,8 @@ class AsyncLLM:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         self.check_prompt(prompt_token_ids, params)
+        if priority and not self.priority_scheduling:
+            raise ValueError("priority needs the priority scheduling policy (as vLLM)")
         if request_id in self.streams:  # finished, perhaps, but its handle is still open
             raise ValueError(f"duplicate request_id {request_id!r}: its handle is still open")
         children = self.processor.add_request(request_id, prompt, prompt_token_ids, params)

@@ -27,6 +27,7 @@ from shm_engine.entrypoints.async_engine import (
     check_token_ids,
 )
 from shm_engine.entrypoints.hf_tokenizer import HFStyleTokenizer
+from shm_engine.model.tokenizer import template_kwargs
 from shm_engine.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": ...}
@@ -111,6 +112,11 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError("give one priority per prompt")
+        if not all(isinstance(p, int | np.integer) and not isinstance(p, bool) for p in priorities):
+            raise ValueError(f"priorities must be integers, got {priorities!r}")
+        if any(priorities) and self.config.scheduling_policy != "priority":
+            raise ValueError("priority needs scheduling_policy='priority' (as vLLM)")
+        priorities = [int(p) for p in priorities]
         for sp in params:
             check_stop_token_ids(sp, self.client.ready.vocab_size)
         # Every prompt is tokenized (and checked) before any is sent.
@@ -135,6 +141,7 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's own chat template (with its default system prompt) and generate."""
+        extra = template_kwargs(chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [
             {
@@ -147,7 +154,7 @@ class LLM:
                     add_generation_prompt,  # with continue_final_message: ValueError (vLLM)
                     chat_template,
                     continue_final_message=continue_final_message,
-                    **(chat_template_kwargs or {}),
+                    **extra,
                 )
                 for conv in conversations
             )

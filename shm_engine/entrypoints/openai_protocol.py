@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shm_engine.model.tokenizer import text_parts
+from shm_engine.model.tokenizer import template_kwargs, text_parts
 from shm_engine.sampling_params import SamplingParams
 
 
@@ -56,13 +56,6 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
-
-
-# Template variables the server renders with itself (chat_template_kwargs may not replace them).
-_TEMPLATE_NAMES_TAKEN = frozenset(
-    {"messages", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
-     "continue_final_message"}
-)  # fmt: skip
 
 
 class _SamplingFields(BaseModel):
@@ -206,6 +199,11 @@ class CompletionRequest(_SamplingFields):
         return params
 
     @property
+    def max_tokens_unset(self) -> bool:
+        """The request left max_tokens to the server (a model default may then apply)."""
+        return "max_tokens" not in self.model_fields_set
+
+    @property
     def echo_logprobs(self) -> bool:
         """The echoed prompt's tokens carry logprobs (in the OpenAI ``logprobs`` shape)."""
         return self.echo and self.logprobs is not None
@@ -248,13 +246,14 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @property
+    def max_tokens_unset(self) -> bool:
+        """The request left max_tokens to the server (a model default may then apply)."""
+        return self.max_tokens is None and self.max_completion_tokens is None
+
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, refusing names the server sets itself."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        taken = _TEMPLATE_NAMES_TAKEN.intersection(kwargs)
-        if taken:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}")
-        return kwargs
+        return template_kwargs(self.chat_template_kwargs)
 
     def sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
         if self.tools:

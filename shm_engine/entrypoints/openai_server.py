@@ -311,8 +311,9 @@ class OpenAIServer:
                 except ValueError as e:
                     raise bad_request(str(e), "prompt") from None
                 text, ids = None, list(item)
-            self.engine.check_prompt(ids, params)
-            prompts.append(_Prompt(text, ids, params, f"{base}-{i}", req.priority, req.cache_salt))
+            fitted = self._fit_default_max_tokens(req, ids, params)
+            self.engine.check_prompt(ids, fitted)
+            prompts.append(_Prompt(text, ids, fitted, f"{base}-{i}", req.priority, req.cache_salt))
         return prompts
 
     async def _prompt_from_chat(
@@ -325,9 +326,24 @@ class OpenAIServer:
             text, ids = self._render_chat(req, conversation, in_thread=False)
         else:
             text, ids = await asyncio.to_thread(self._render_chat, req, conversation, True)
+        params = self._fit_default_max_tokens(req, ids, params)
         self.engine.check_prompt(ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         return _Prompt(text, ids, params, rid, req.priority, req.cache_salt)
+
+    def _fit_default_max_tokens(
+        self, req: CompletionRequest | ChatCompletionRequest, ids: list[int], params: SamplingParams
+    ) -> SamplingParams:
+        """A max_tokens the model's generation_config.json gave, not the request, is cut to the
+        room the prompt leaves (vLLM's get_max_tokens): it must not turn a request into a 400."""
+        if not req.max_tokens_unset or "max_tokens" not in self.engine.sampling_defaults:
+            return params
+        room = self.engine.max_model_len - len(ids)
+        if params.max_tokens is None or params.max_tokens <= room or room < 1:
+            return params  # room < 1: check_prompt reports the prompt itself
+        return msgspec.structs.replace(
+            params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+        )
 
     def _start(self, prompts: list[_Prompt]) -> list[RequestHandle]:
         """Send every prompt to the engine before the HTTP response is set up (TTFT)."""

@@ -640,6 +640,23 @@ def _chat_env() -> ImmutableSandboxedEnvironment:
     return _ENV
 
 
+# Template variables apply_chat_template sets itself: extra template kwargs may not replace them.
+_TEMPLATE_NAMES_TAKEN = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
+     "continue_final_message"}
+)  # fmt: skip
+
+
+def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Extra chat-template variables (vLLM's chat_template_kwargs), refusing the names the
+    renderer sets itself (they had failed as a TypeError deep in the call)."""
+    out = dict(kwargs or {})
+    taken = _TEMPLATE_NAMES_TAKEN.intersection(out)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}")
+    return out
+
+
 # Marks where the final message's text ends, to cut the rendering there (transformers' tag).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 

@@ -852,7 +852,10 @@ def test_llm_prompt_cache_salt_and_priority():
         assert cached("tenant-a") > 0
         with pytest.raises(ValueError, match="cache_salt"):
             cached("")
-        outs = llm.generate(["a", "b"], params, use_tqdm=False, priority=[1, 0])
-        assert len(outs) == 2
-        with pytest.raises(ValueError, match="priority"):
-            llm.generate(["a", "b"], params, use_tqdm=False, priority=[1])
+        assert len(llm.generate(["a", "b"], params, use_tqdm=False, priority=[0, 0])) == 2
+        for bad, why in (([1], "one priority per prompt"), ([1.5, 0], "integers"),
+                         ([1, 0], "scheduling_policy='priority'")):  # fmt: skip
+            with pytest.raises(ValueError, match=why):
+                llm.generate(["a", "b"], params, use_tqdm=False, priority=bad)
+        with pytest.raises(ValueError, match="may not set messages"):
+            llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []})

@@ -286,6 +286,25 @@ def test_vllm_fields_this_server_lacks_are_refused(fake, path, extra, field) -> 
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
 
 
+def test_a_models_default_max_tokens_is_cut_to_the_room_left(fake) -> None:
+    """generation_config's max_new_tokens past what the context leaves is cut to it (vLLM's
+    get_max_tokens), not a 400 for a request that never asked for it."""
+    client, engine = fake  # a 64-token context
+    engine.sampling_defaults = {"max_tokens": 100}
+    seen = []
+
+    def script(ids, params):
+        seen.append((len(ids), params.max_tokens))
+        return replay(engine.tokenizer, "ab", None, lp=False)
+
+    engine.script = script
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": ["hi", "hello"]}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5}).status_code == 200
+    assert [n + m for n, m in seen[:3]] == [64, 64, 64] and seen[3] == (2, 5)
+
+
 def test_chat_template_kwargs_reach_the_template(monkeypatch) -> None:
     """vLLM's chat_template_kwargs (Qwen3 clients send enable_thinking) are template variables."""
     template = (

@@ -269,6 +269,7 @@ def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop token id"),
+        ("/v1/completions", {"prompt": "x", "priority": 1}, "priority scheduling policy"),
         (
             "/v1/chat/completions",
             {
