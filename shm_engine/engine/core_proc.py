@@ -474,7 +474,11 @@ def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
     except SystemExit:
         logger.info("engine %d: shutting down on a signal", engine_index)
     except BaseException as e:
-        logger.exception("engine %d: fatal error", engine_index)
+        if proc is None and isinstance(e, ValueError):
+            # A configuration it cannot start with (its clients get the message): one line.
+            logger.error("engine %d: cannot start: %s", engine_index, e)
+        else:
+            logger.exception("engine %d: fatal error", engine_index)
         if proc is not None:
             proc.send_engine_dead(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
             proc.shutdown()

@@ -796,7 +796,13 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await AsyncLLM.create(config, served_model_name, data_parallel_size, model_info)
+        try:
+            engine = await AsyncLLM.create(
+                config, served_model_name, data_parallel_size, model_info
+            )
+        except EngineDeadError as e:
+            app.state.start_failure = str(e)  # serve() reports it in one line
+            raise
         metrics = ServerMetrics(engine.model_name)
         engine.on_finished = metrics.observe_finished
         app.state.server = OpenAIServer(engine, metrics, engine.model_name)
@@ -931,7 +937,31 @@ def serve(
     # completed cleanly is a success, so that re-raise ends the process with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
-    _GracefulServer(uv, lambda: getattr(app.app.state, "server", None)).run()
+    state = app.app.state
+    quiet = _QuietStartFailure(state)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    try:
+        _GracefulServer(uv, lambda: getattr(state, "server", None)).run()
+    except SystemExit:  # uvicorn's exit status 3 for a failed lifespan, among others
+        failure = getattr(state, "start_failure", None)
+        if failure is None:
+            raise
+        raise ValueError(failure) from None  # the CLI's one line and exit 2, as its checks
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+
+
+class _QuietStartFailure(logging.Filter):
+    """Drops uvicorn's report of a lifespan that failed because the engine could not start
+    (two tracebacks for a configuration mistake); serve() raises its message instead."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = getattr(self.state, "start_failure", None) is not None
+        return not (failed and record.levelno >= logging.ERROR)
 
 
 _SHUTDOWN_GRACE_S = 3.0

@@ -117,3 +117,23 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_even_alone(
     assert "starting over" not in err and "Traceback" not in err
     assert "this message takes" in err and "context length is 80" in err
     assert seen[-1][0] == "My name is Zorblax." and seen[-1][-1] == "What is my name?"
+
+
+@pytest.mark.slow
+def test_serve_reports_an_engine_that_cannot_start_in_one_line() -> None:
+    """A configuration only the engine can check (the KV cache cannot hold max_model_len) ends
+    serve with its one line and exit 2, not uvicorn's lifespan tracebacks and exit 3."""
+    import subprocess
+    import sys
+
+    argv = ["serve", "--port", "0", "--max-model-len", "2048", "--kv-cache-mib", "16"]
+    done = subprocess.run(
+        [sys.executable, "-m", "shm_engine.entrypoints.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("shm-engine serve: error: engine failed to start: ValueError: ")
+    assert "does not fit in the KV cache" in last
