@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +56,7 @@ from shm_engine.benchmarks.prompts import (
     load_prompt_file,
     random_prompts,
 )
-from shm_engine.entrypoints.cli_parser import OneLineParser
+from shm_engine.entrypoints.cli_parser import OneLineParser, int_in, number
 
 PERCENTILES = (50, 90, 99)
 PROG = "shm-engine bench serve"
@@ -419,30 +418,12 @@ def plot(runs: list[dict[str, Any]], x_key: str, path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def _parse(kind: type[int] | type[float], text: str) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = _parse(int, text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_count = _int_at_least(0)  # warm-up requests may be none
+_positive_int = int_in(1)
+_count = int_in(0)  # warm-up requests may be none
 
 
 def _seconds(text: str) -> float:
-    value = _parse(float, text)
+    value = number(float, text)
     if not 0 < value < math.inf:  # also NaN
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
@@ -450,7 +431,7 @@ def _seconds(text: str) -> float:
 
 def _rate(text: str) -> float:
     """Requests per second: > 0, or inf for all at once (0 was sent unpaced but reported as 0)."""
-    value = _parse(float, text)
+    value = number(float, text)
     if not value > 0:  # also NaN
         raise argparse.ArgumentTypeError(f"must be > 0 (inf: all at once), got {text}")
     return value

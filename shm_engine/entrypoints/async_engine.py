@@ -63,6 +63,17 @@ def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"stop token id {bad} is out of the vocabulary (size {vocab_size})")
 
 
+def check_priority(priority: object, priority_scheduling: bool) -> None:
+    """A request priority is an integer, and not zero only under the priority policy (vLLM)."""
+    if not isinstance(priority, int | np.integer) or isinstance(priority, bool):
+        raise ValueError(f"priorities must be integers, got {priority!r}")
+    if priority and not priority_scheduling:
+        raise ValueError(
+            "priority needs the priority scheduling policy (scheduling_policy='priority', "
+            "serve --scheduling-policy priority), as vLLM"
+        )
+
+
 class _Stream:
     """Newest output of one request plus a wake-up for its consumer."""
 
@@ -235,8 +246,7 @@ class AsyncLLM:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         self.check_prompt(prompt_token_ids, params)
-        if priority and not self.priority_scheduling:
-            raise ValueError("priority needs the priority scheduling policy (as vLLM)")
+        check_priority(priority, self.priority_scheduling)
         if request_id in self.streams:  # finished, perhaps, but its handle is still open
             raise ValueError(f"duplicate request_id {request_id!r}: its handle is still open")
         children = self.processor.add_request(request_id, prompt, prompt_token_ids, params)

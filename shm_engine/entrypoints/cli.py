@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from shm_engine.entrypoints.cli_parser import OneLineParser, fail
+from shm_engine.entrypoints.cli_parser import OneLineParser, fail, int_in
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -227,20 +227,6 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def cmd_bench(args) -> int:
     if args.what == "serve":
         from shm_engine.benchmarks import serve
@@ -272,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--port", type=int_in(0, 65535), default=8000)
     s.add_argument("--served-model-name", default=None, help="model id in the API")
     s.add_argument(
         "--max-num-seqs",
@@ -306,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--data-parallel-size",
         "-dp",
-        type=_positive_int,
+        type=int_in(1),
         default=1,
         help="engine replicas, each pinned to its share of the cores",
     )
@@ -330,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # a bad value or path: one line, as argparse's errors
         return fail(f"shm-engine {args.cmd}", str(e))
     except EngineDeadError as e:
-        print(f"shm-engine {args.cmd}: error: {e}", file=sys.stderr)
-        return 1
+        return fail(f"shm-engine {args.cmd}", str(e), status=1)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

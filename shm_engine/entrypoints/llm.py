@@ -22,6 +22,7 @@ from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest
 from shm_engine.entrypoints.async_engine import (
+    check_priority,
     check_prompt_fits,
     check_stop_token_ids,
     check_token_ids,
@@ -112,10 +113,8 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError("give one priority per prompt")
-        if not all(isinstance(p, int | np.integer) and not isinstance(p, bool) for p in priorities):
-            raise ValueError(f"priorities must be integers, got {priorities!r}")
-        if any(priorities) and self.config.scheduling_policy != "priority":
-            raise ValueError("priority needs scheduling_policy='priority' (as vLLM)")
+        for prio in priorities:
+            check_priority(prio, self.config.scheduling_policy == "priority")
         priorities = [int(p) for p in priorities]
         for sp in params:
             check_stop_token_ids(sp, self.client.ready.vocab_size)

@@ -188,7 +188,7 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("min_tokens must be 0 when max_tokens is 0")
         # NOTE: the engine samples at least one token; for echo_only the server drops it (vLLM too).
         max_tokens = self.max_tokens
-        if "max_tokens" not in self.model_fields_set:  # the model's default, else OpenAI's 16
+        if self.max_tokens_unset:  # the model's default, else OpenAI's 16
             max_tokens = defaults.get("max_tokens", max_tokens)
         max_tokens = 1 if self.echo_only else max_tokens
         params = self._sampling(max_tokens, self.logprobs, defaults)
@@ -261,13 +261,11 @@ class ChatCompletionRequest(_SamplingFields):
         self.template_kwargs()  # refused names: a 400 before any work
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        max_tokens = (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-            if self.max_tokens is not None
-            else defaults.get("max_tokens")
-        )
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = (
+                self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens")
+            )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs, defaults)
 
