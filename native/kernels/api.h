@@ -28,6 +28,14 @@ size_t shmk_packed_bytes(int64_t n, int64_t k);    /* int8 bytes of packed */
 size_t shmk_packed_scales(int64_t n, int64_t k);   /* number of fp16 scales */
 /* w fp32 [n,k] -> packed, scales; returns scale_mult */
 float shmk_pack_weights(const float *w, int64_t n, int64_t k, int8_t *packed, uint16_t *scales);
+/* max |w| of numel floats, NaN ignored: what shmk_pack_weights derives scale_mult from */
+float shmk_weights_amax(const float *w, int64_t numel);
+/* shmk_pack_weights for n rows of a larger matrix whose max |w| is amax (the max of the chunks'
+ * shmk_weights_amax): rows 16b .. of a matrix go to packed + b * kp/32 * 512 and
+ * scales + b * kp/32 * 16, and every chunk returns the matrix's scale_mult, so chunks of a
+ * multiple of 16 rows pack exactly what one call on the whole matrix does. */
+float shmk_pack_rows(const float *w, int64_t n, int64_t k, float amax, int8_t *packed,
+                     uint16_t *scales);
 /* q int8 [n,k] and the real group scales fp32 [n][kp/32] */
 void shmk_unpack_weights(const int8_t *packed, const uint16_t *scales, float scale_mult, int64_t n,
                          int64_t k, int8_t *q, float *gscales);
@@ -52,6 +60,9 @@ int shmk_amx_bf16_min_rows(void);
 void shmk_quantize_rows(const float *x, int64_t m, int64_t k, int16_t *xq, float *scales);
 /* exact group dot products dots[i][j][g] = sum_{k in group g} xq[i][k] * q[j][k] (int32) */
 void shmk_gemm_group_dots(const int16_t *xq, int64_t m, const shmk_linear_t *w, int32_t *dots);
+/* out[i][0..k) = output channel ids[i] of w dequantised (ids in [0, n), unchecked): what
+ * shmk_unpack_weights' q times its group scales gives */
+void shmk_dequant_channels(const shmk_linear_t *w, const int64_t *ids, int64_t t, float *out);
 /* y[m,n] = x @ dequant(W)^T (+ bias), via per-row int16 quantisation of x */
 void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 
@@ -146,13 +157,13 @@ enum {
 int shmk_check_step(const shmk_step_t *step, int64_t num_blocks, int64_t block_size);
 
 /* The embedding, the layers, the final norm and the LM head of one step in one call:
- *   hidden[i] = embed_q[ids[i]] * its group scales (embed_scale [vocab][cdiv(h, 32)]);
+ *   hidden[i] = channel ids[i] of the packed embedding, dequantised (shmk_dequant_channels;
+ *   with tied weights the embedding is the LM head itself);
  *   the layers on hidden; x[r] = rmsnorm(hidden[rows[r]]) with final_norm; logits = lm_head(x);
  *   argmax[r] = shmk_argmax_rows of logits row r, unless argmax is NULL.
  * Returns 0, or (nothing run) -1 if an id is outside [0, vocab), -2 if a row is outside [0, t). */
 typedef struct {
-    const int8_t *embed_q;        /* [vocab][hidden] */
-    const float *embed_scale;     /* [vocab][cdiv(hidden, 32)] */
+    const shmk_linear_t *embedding; /* n = vocab, k = hidden */
     int64_t vocab, hidden;
     const float *final_norm;      /* [hidden] */
     float eps;

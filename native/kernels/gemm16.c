@@ -172,9 +172,18 @@ static void pack_task(void *vctx, int64_t blk, int tid) {
     }
 }
 
-float shmk_pack_weights(const float *w, int64_t n, int64_t k, int8_t *packed, uint16_t *scales) {
+float shmk_weights_amax(const float *w, int64_t numel) {
     float amax = 0.f;
-    for (int64_t i = 0; i < n * k; i++) amax = max_abs(amax, w[i]);
+    for (int64_t i = 0; i < numel; i++) amax = max_abs(amax, w[i]);
+    return amax;
+}
+
+float shmk_pack_weights(const float *w, int64_t n, int64_t k, int8_t *packed, uint16_t *scales) {
+    return shmk_pack_rows(w, n, k, shmk_weights_amax(w, n * k), packed, scales);
+}
+
+float shmk_pack_rows(const float *w, int64_t n, int64_t k, float amax, int8_t *packed,
+                     uint16_t *scales) {
     /* largest group scale lands in [2^14, 2^15): ~29 binades of fp16 normals below it */
     int e = 0;
     if (amax > 0.f) frexpf(amax / 127.f, &e); /* amax/127 in [2^(e-1), 2^e) */
@@ -191,6 +200,28 @@ void shmk_unpack_weights(const int8_t *packed, const uint16_t *scales, float sca
         for (int64_t kk = 0; kk < k; kk++) q[j * k + kk] = *wq_at((int8_t *)packed, G, j, kk);
         for (int64_t g = 0; g < G; g++)
             gscales[j * G + g] = h2f(scales[((j / NB) * G + g) * NB + j % NB]) * scale_mult;
+    }
+}
+
+/* out[i] = output channel ids[i] of w dequantised: q * (fp16 scale * scale_mult), the same
+ * floats as shmk_unpack_weights' q and gscales multiplied.  The model's embedding lookup reads
+ * the packed LM head (tied) or a packed embedding this way, so no unpacked copy (31 MB for
+ * SmolLM2) stays resident.  In the packed layout channel j's 32 k of group g are 8 runs of 4
+ * bytes, 64 bytes apart. */
+void shmk_dequant_channels(const shmk_linear_t *w, const int64_t *ids, int64_t t, float *out) {
+    const int64_t k = w->k, G = shmk_padded_k(k) / GK;
+    for (int64_t i = 0; i < t; i++) {
+        const int64_t j = ids[i], b = j / NB, c = j % NB;
+        const int8_t *blk = w->packed + b * G * GBYTES + c * 4;
+        const uint16_t *sc = w->scales + b * G * NB + c;
+        float *y = out + i * k;
+        for (int64_t g = 0; g < G; g++) {
+            const float s = h2f(sc[g * NB]) * w->scale_mult;
+            const int8_t *q = blk + g * GBYTES;
+            const int64_t len = k - g * GK < GK ? k - g * GK : GK;
+            for (int64_t kk = 0; kk < len; kk++)
+                y[g * GK + kk] = (float)q[(kk / 4) * (4 * NB) + (kk & 3)] * s;
+        }
     }
 }
 

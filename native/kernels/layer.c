@@ -50,17 +50,6 @@ int shmk_check_step(const shmk_step_t *s, int64_t num_blocks, int64_t block_size
     return SHMK_STEP_OK;
 }
 
-/* hidden[i] = the dequantised embedding row of ids[i] */
-static void embed_rows(const shmk_model_t *m, const int64_t *ids, int64_t t, float *hidden) {
-    const int64_t h = m->hidden, groups = shmk_cdiv(h, GK);
-    for (int64_t i = 0; i < t; i++) {
-        const int8_t *q = m->embed_q + ids[i] * h;
-        const float *sc = m->embed_scale + ids[i] * groups;
-        float *out = hidden + i * h;
-        for (int64_t j = 0; j < h; j++) out[j] = (float)q[j] * sc[j / GK];
-    }
-}
-
 int shmk_model_forward(const shmk_model_t *m, const shmk_layer_t *layers, const shmk_kv_t *kv,
                        int64_t n, const shmk_step_t *step, const int64_t *ids,
                        const int64_t *rows, int64_t nrows, float *hidden, float *x,
@@ -72,7 +61,7 @@ int shmk_model_forward(const shmk_model_t *m, const shmk_layer_t *layers, const 
         if (rows[r] < 0 || rows[r] >= t) return -2;
     /* NOTE: the pool's workers spin between the step's ~300 jobs instead of parking */
     shmk_pool_hold(1);
-    embed_rows(m, ids, t, hidden);
+    shmk_dequant_channels(m->embedding, ids, t, hidden);
     shmk_llama_forward(layers, kv, n, step, hidden);
     for (int64_t r = 0; r < nrows; r++) memcpy(x + r * h, hidden + rows[r] * h, (size_t)h * 4);
     shmk_rmsnorm(x, NULL, m->final_norm, nrows, h, m->eps, x);

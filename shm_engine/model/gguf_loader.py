@@ -63,10 +63,28 @@ def hf_name(gguf_name: str) -> str | None:
 def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
     """fp32 tensor in numpy/HF dimension order ([out, in] for matrices)."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    fast = _FAST.get(t.tensor_type)
+    return dequantize_bytes(np.asarray(t.data), t.tensor_type, shape)
+
+
+def dequantize_rows(t: ReaderTensor, start: int, end: int) -> torch.Tensor:
+    """fp32 rows ``start .. end - 1`` of a matrix tensor, reading only their bytes (every
+    GGML type packs a row into whole blocks, so a row is a contiguous run of bytes)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if end <= start:  # the package cannot dequantize nothing
+        return torch.empty(0, *shape[1:])
+    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+    row_bytes = raw.size // shape[0]
+    rows = raw[start * row_bytes : end * row_bytes].reshape(end - start, row_bytes)
+    return dequantize_bytes(rows, t.tensor_type, (end - start, *shape[1:]))
+
+
+def dequantize_bytes(data: np.ndarray, qtype: GGMLQuantizationType, shape) -> torch.Tensor:
+    """fp32 tensor of ``shape`` from a tensor's data as the reader maps it, or its rows' bytes
+    as uint8 [rows, bytes a row] (what `gguf.quants.dequantize` takes)."""
+    fast = _FAST.get(qtype)
     if fast is not None:
-        raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))
-        block_bytes = _BLOCK_BYTES.get(t.tensor_type)
+        raw = torch.from_numpy(np.array(data, copy=True).reshape(-1).view(np.uint8))
+        block_bytes = _BLOCK_BYTES.get(qtype)
         if block_bytes is None:
             return fast(raw).reshape(shape)
         # NOTE: chunked into a preallocated output: dequantizing a whole quantized tensor at once
@@ -78,7 +96,7 @@ def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
             end = min(nblocks, start + _CHUNK_BLOCKS)
             out[start * 32 : end * 32] = fast(raw[start * block_bytes : end * block_bytes]).view(-1)
         return out.reshape(shape)
-    out = gguf_dequantize(np.asarray(t.data), t.tensor_type)
+    out = gguf_dequantize(np.asarray(data), qtype)
     return torch.from_numpy(np.array(out, dtype=np.float32, copy=True)).reshape(shape)
 
 
@@ -170,6 +188,16 @@ class GGUFWeights(WeightSource):
 
     def gguf_type(self, name: str) -> GGMLQuantizationType:
         return self._tensors[name].tensor_type
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        t = self._tensors[name]
+        if self._permute and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            return super().rows(name, start, end)  # permuted within heads: whole
+        w = dequantize_rows(t, start, end)
+        if isinstance(self.reader, FastGGUFReader):
+            row_bytes = int(t.n_bytes) // self.shape(name)[0]
+            self.reader.release(int(t.data_offset) + start * row_bytes, (end - start) * row_bytes)
+        return w
 
     def _load(self, name: str) -> torch.Tensor:
         t = self._tensors[name]

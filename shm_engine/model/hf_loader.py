@@ -53,6 +53,12 @@ class SafetensorsWeights(WeightSource):
         t = self._handle(self._files[name]).get_tensor(name)
         return t.to(torch.float32).contiguous()
 
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        if name not in self._index:
+            raise KeyError(name)
+        t = self._handle(self._files[name]).get_slice(name)[start:end]
+        return t.to(torch.float32).contiguous()
+
 
 def _tensor_files(path: Path) -> dict[str, Path]:
     index = path / _INDEX

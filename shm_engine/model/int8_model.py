@@ -6,9 +6,8 @@ Weights are quantized to int8 with a scale per (output channel, 32 consecutive k
 W8 x A16 GEMM (int16 activations per token) and packed once, at load, one tensor at a time from
 the lazy loader, so peak memory stays near the packed size. q/k/v are packed as one [q|k|v] matrix
 and gate/up as one [gate|up] matrix, so each projection group is a single GEMM. The input
-embedding is stored int8 with the same group-32 scales (it is looked up, never multiplied), which
-keeps the resident model small; the LM head is a packed GEMM over the same (tied) or its own
-weights.
+embedding is looked up, never multiplied: its rows are dequantised from a packed weight, the LM
+head's own when the embeddings are tied, so the vocabulary-sized matrix is resident once.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
 from shm_engine.model.hugepages import HugeArena
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype
+from shm_engine.model.loader import WeightSource
 
 
 def _trim_heap() -> None:
@@ -70,25 +70,21 @@ class Int8Llama:
         # NOTE: every packed weight in one huge-page arena (see HugeArena): batch-1 decode is a
         # stream of all of them each step.
         self._arena = HugeArena(self._arena_bytes(c))
-        # NOTE: one fp32 vocabulary-sized matrix alive at a time (113 MB for SmolLM2): these set
-        # the peak RSS of loading.
+        # NOTE: vocabulary-sized matrices are packed from chunks of rows (a whole one is 113 MB
+        # of fp32 for SmolLM2, which set the peak RSS of loading).
         emb_name = "model.embed_tokens.weight"
-        self.lm_head = kernels.PackedLinear.from_float(
-            weights[emb_name if c.tie_word_embeddings else "lm_head.weight"], arena=self._arena
+        self.lm_head = self._pack_vocab(
+            weights, emb_name if c.tie_word_embeddings else "lm_head.weight"
         )
-        # The embedding is looked up, never multiplied: int8 rows with the GEMM's group-32 scales
-        # (for tied weights exactly the LM head's quantisation).
-        embed = (
-            self.lm_head
-            if c.tie_word_embeddings
-            else kernels.PackedLinear.from_float(weights[emb_name])
+        # The embedding is looked up, never multiplied: its rows are dequantised from the packed
+        # layout (for tied weights the LM head's own), so no unpacked copy stays resident.
+        self.embedding = (
+            self.lm_head if c.tie_word_embeddings else self._pack_vocab(weights, emb_name)
         )
-        self.embed_q, self.embed_scale = embed.unpack()  # int8 [vocab, h], fp32 [vocab, h/32]
-        del embed
         _trim_heap()
         self.final_norm = weights["model.norm.weight"].float().contiguous()
         self._ends = kernels.ModelEnds(
-            self.embed_q, self.embed_scale, self.final_norm, c.rms_norm_eps, self.lm_head
+            self.embedding, self.final_norm, c.rms_norm_eps, self.lm_head
         )
         self.layers = []
         for i in range(c.num_layers):
@@ -105,7 +101,17 @@ class Int8Llama:
         shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q)]
         shapes += [(2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
         layer = sum(kernels.PackedLinear.arena_bytes(n, k) for n, k in shapes)
-        return c.num_layers * layer + kernels.PackedLinear.arena_bytes(c.vocab_size, c.hidden_size)
+        vocab = kernels.PackedLinear.arena_bytes(c.vocab_size, c.hidden_size)
+        return c.num_layers * layer + vocab * (1 if c.tie_word_embeddings else 2)
+
+    def _pack_vocab(self, w: Mapping[str, torch.Tensor], name: str) -> kernels.PackedLinear:
+        """A [vocab, hidden] matrix packed from chunks of rows when the source reads rows."""
+        if not isinstance(w, WeightSource):
+            return kernels.PackedLinear.from_float(w[name], arena=self._arena)
+        n, k = w.shape(name)
+        return kernels.PackedLinear.from_row_chunks(
+            n, k, lambda a, b: w.rows(name, a, b), arena=self._arena
+        )
 
     def _pack_layer(self, w: Mapping[str, torch.Tensor], i: int) -> kernels.LlamaLayer:
         c = self.config
@@ -142,9 +148,8 @@ class Int8Llama:
             for layer in self.layers
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
-        return (
-            layer_bytes + self.lm_head.nbytes + self.embed_q.numel() + self.embed_scale.numel() * 4
-        )
+        embedding = 0 if self.embedding is self.lm_head else self.embedding.nbytes
+        return layer_bytes + self.lm_head.nbytes + embedding
 
     # ------------------------------------------------------------------ forward
 

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from shm_engine._kernels_cffi import ffi, lib
@@ -289,10 +290,75 @@ class PackedLinear:
             _shape(b, "bias", (n,))
         return cls(n, k, packed, scales, mult, b, act_bf16)
 
+    @classmethod
+    def from_row_chunks(
+        cls,
+        n: int,
+        k: int,
+        rows: Callable[[int, int], torch.Tensor],
+        chunk_rows: int = 4096,
+        arena: HugeArena | None = None,
+    ) -> PackedLinear:
+        """``from_float`` of an [n, k] weight read in chunks, ``rows(start, end)`` giving rows
+        start .. end - 1 (any float dtype): bit-identical to packing it whole.
+
+        NOTE: two passes (the matrix-wide max |w| sets ``scale_mult``, then each chunk packs),
+        so a vocabulary-sized matrix never exists in fp32: SmolLM2's tied embedding is 113 MB
+        of fp32 and set the peak RSS of loading."""
+        n, k = int(n), int(k)
+        if n < 1 or k < 1:
+            raise ValueError(f"n and k must be >= 1, got n={n}, k={k}")
+        step = max(16, chunk_rows // 16 * 16)  # chunks start on 16-channel blocks
+        spans = [(a, min(n, a + step)) for a in range(0, n, step)]
+
+        def chunk(a: int, b: int) -> torch.Tensor:
+            w = rows(a, b)
+            if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+                raise TypeError("rows() must give a floating point torch.Tensor")
+            w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            _shape(w, "rows", (b - a, k))
+            return w
+
+        amax = 0.0
+        for a, b in spans:
+            w = chunk(a, b)
+            amax = max(amax, float(lib.shmk_weights_amax(_f32(w), w.numel())))
+        take = (
+            arena.take
+            if arena is not None
+            else lambda numel, dtype: torch.empty(numel, dtype=dtype)
+        )
+        packed = take(int(lib.shmk_packed_bytes(n, k)), torch.int8)
+        scales = take(int(lib.shmk_packed_scales(n, k)), torch.int16)
+        block_bytes, block_scales = padded_k(k) * 16, padded_k(k) // 32 * 16
+        mult = 1.0
+        for a, b in spans:
+            w = chunk(a, b)
+            blk = a // 16
+            mult = float(
+                lib.shmk_pack_rows(
+                    _f32(w), b - a, k, amax,
+                    _i8(packed[blk * block_bytes :]), _u16(scales[blk * block_scales :]),
+                )
+            )  # fmt: skip
+        return cls(n, k, packed, scales, mult)
+
     @property
     def nbytes(self) -> int:
         extra = self.bias.numel() * 4 if self.bias is not None else 0
         return self.packed.numel() + self.scales.numel() * 2 + extra
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(ids), k]: the output channels ``ids`` dequantised (an embedding lookup;
+        ``model_forward`` does the same in C)."""
+        ids = _as_i64(ids, "ids")
+        if ids.dim() != 1:
+            raise ValueError("ids must be 1-D")
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.n):
+            raise ValueError(f"ids must lie in [0, {self.n})")
+        out = torch.empty(ids.numel(), self.k)
+        lib.shmk_dequant_channels(self._c, _i64(ids), ids.numel(), _f32(out))
+        return out
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [n, k], group scales fp32 [n, groups]) back out of the packed layout."""
@@ -405,11 +471,14 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_pos: int) -> torch.Tensor:
     NOTE: cos / sin run in float64 and are rounded once to fp32. torch's fp32 cos was seen to be
     off by up to 1.5e-4 (relative) on the half of a 512 x 32 table that a second intra-op thread
     computed, in about one run in ten; float64 gives the same correctly rounded table every time.
+    numpy computes it (one thread): torch's float64 cos / sin kernels are ~8 MB of code pages
+    that the engine process would otherwise keep resident for this one table.
     """
     _check(inv_freq, "inv_freq", torch.float32, 1)
-    t = torch.arange(max_pos, dtype=torch.int64).float()
-    freqs = torch.outer(t, inv_freq).double()
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().contiguous()
+    t = np.arange(max_pos, dtype=np.float32)
+    freqs = np.outer(t, inv_freq.numpy()).astype(np.float64)  # the product in fp32, as HF
+    table = np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)
+    return torch.from_numpy(table)
 
 
 def rope(
@@ -785,29 +854,26 @@ def llama_forward(stack: LlamaStack, step: LayerStep, hidden: torch.Tensor) -> N
 
 
 class ModelEnds:
-    """What ``model_forward`` runs around a ``LlamaStack``: the int8 embedding (rows looked up
-    and dequantised with their group-32 scales), the final RMSNorm and the LM head."""
+    """What ``model_forward`` runs around a ``LlamaStack``: the embedding (rows of a packed
+    [vocab, hidden] weight, dequantised as they are looked up: with tied weights the LM head
+    itself, so the 31 MB of an unpacked copy never exist), the final RMSNorm and the LM head."""
 
     def __init__(
         self,
-        embed_q: torch.Tensor,
-        embed_scale: torch.Tensor,
+        embedding: PackedLinear,
         final_norm: torch.Tensor,
         eps: float,
         lm_head: PackedLinear,
     ):
-        _check(embed_q, "embed_q", torch.int8, 2)
-        _check(embed_scale, "embed_scale", torch.float32, 2)
         _check(final_norm, "final_norm", torch.float32, 1)
-        vocab, h = embed_q.shape
-        _shape(embed_scale, "embed_scale", (vocab, -(-h // 32)))
+        vocab, h = embedding.n, embedding.k
         _shape(final_norm, "final_norm", (h,))
         if lm_head.k != h:
             raise ValueError(f"lm_head takes {lm_head.k} inputs, the hidden size is {h}")
-        self.hidden, self.vocab, self.lm_head = h, vocab, lm_head
-        self._keep = (embed_q, embed_scale, final_norm)
+        self.hidden, self.vocab, self.embedding, self.lm_head = h, vocab, embedding, lm_head
+        self._keep = final_norm
         c = ffi.new("shmk_model_t *")
-        c.embed_q, c.embed_scale = _i8(embed_q), _f32(embed_scale)
+        c.embedding = embedding._c
         c.vocab, c.hidden, c.final_norm, c.eps = vocab, h, _f32(final_norm), float(eps)
         c.lm_head = lm_head._c
         self._c = c

@@ -56,6 +56,15 @@ class WeightSource(Mapping[str, "torch.Tensor"], ABC):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self[name].shape)
 
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """fp32 rows ``start .. end - 1`` of a matrix (what ``self[name][start:end]`` holds).
+
+        Sources override this to read only those rows, so a vocabulary-sized matrix can be
+        packed in chunks without ever being whole in fp32."""
+        if name not in self._index:
+            raise KeyError(name)
+        return self._load(name)[start:end].contiguous()
+
     def materialize(self) -> dict[str, torch.Tensor]:
         """Every tensor in fp32 (4 bytes/parameter: ~540 MB for SmolLM2-135M)."""
         return {name: self._load(name) for name in self._names}

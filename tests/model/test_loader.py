@@ -18,7 +18,12 @@ from safetensors.torch import save_file
 
 from shm_engine.model import default_model
 from shm_engine.model.config import ModelConfig
-from shm_engine.model.gguf_loader import GGUFWeights, dequantize_tensor, unpermute_qk
+from shm_engine.model.gguf_loader import (
+    GGUFWeights,
+    dequantize_rows,
+    dequantize_tensor,
+    unpermute_qk,
+)
 from shm_engine.model.gguf_metadata import read_gguf
 from shm_engine.model.hf_loader import save_hf_model
 from shm_engine.model.loader import (
@@ -52,6 +57,8 @@ def test_dequantize_matches_gguf_package(tmp_path: Path, qtype: Q) -> None:
     assert ours.shape == a.shape and ours.dtype == torch.float32
     assert np.array_equal(ours.numpy(), ref)
     assert np.abs(ours.numpy() - a).max() < 3 * np.abs(a).max() / 8  # it is the same tensor
+    for start, end in [(0, 48), (5, 29), (47, 48), (7, 7)]:  # rows read alone: the same floats
+        assert torch.equal(dequantize_rows(t, start, end), ours[start:end])
 
 
 def test_metadata_reads_as_the_gguf_package_reads_it(tmp_path: Path) -> None:
@@ -126,6 +133,7 @@ def test_tiny_gguf_and_hf_paths_agree(tmp_path: Path, overrides: dict) -> None:
     assert gguf_model.format == "gguf"
     assert gguf_model.config == config
     _assert_same_weights(gguf_model.weights, weights)  # F32 file: exact, Q/K un-permuted
+    _assert_rows_read_alone(gguf_model.weights)
 
     save_hf_model(tmp_path / "hf", config, weights, gguf_model.tokenizer)
     hf_model = load_model(tmp_path / "hf")
@@ -151,6 +159,20 @@ def test_tiny_quantized_gguf(tmp_path: Path) -> None:
     for name, w in weights.items():
         err = (m.weights[name] - w).abs().max().item()
         assert err <= w.abs().max().item() / 127 + 1e-6, name  # per-block absmax / 127
+    _assert_rows_read_alone(m.weights)
+
+
+def _assert_rows_read_alone(source) -> None:
+    """``rows(name, a, b)`` (what chunked packing reads) == ``source[name][a:b]``, every matrix."""
+    for name in source:
+        w = source[name]
+        if w.dim() != 2:
+            continue
+        n = w.shape[0]
+        for a, b in [(0, n), (1, n - 1), (n // 2, n // 2 + 3)]:
+            assert torch.equal(source.rows(name, a, b), w[a:b]), (name, a, b)
+    with pytest.raises(KeyError):
+        source.rows("no.such.weight", 0, 1)
 
 
 def test_sharded_safetensors_and_bf16(tmp_path: Path) -> None:
@@ -166,6 +188,7 @@ def test_sharded_safetensors_and_bf16(tmp_path: Path) -> None:
     expected = {n: w.to(torch.bfloat16).float() for n, w in weights.items()}
     _assert_same_weights(m.weights, expected)
     assert m.weights.shape("lm_head.weight") == (config.vocab_size, config.hidden_size)
+    _assert_rows_read_alone(m.weights)
 
 
 def test_model_info_is_the_loaders_config_and_tokenizer_without_torch(tmp_path: Path) -> None:

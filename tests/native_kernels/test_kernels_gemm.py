@@ -456,3 +456,29 @@ def test_pool_workers_leave_signals_to_python_threads():
             assert mask >> (sig - 1) & 1, (tid, sig)
         assert not mask >> (signal.SIGSEGV - 1) & 1  # a fault still reaches faulthandler
     assert not blocked_signals(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
+
+
+@pytest.mark.parametrize("n,k,chunk", [(1, 5, 16), (50, 64, 16), (100, 45, 17), (333, 97, 4096)])
+def test_packing_in_row_chunks_is_packing_whole(n, k, chunk):
+    """from_row_chunks (a vocabulary-sized matrix read a chunk of rows at a time) packs the
+    same bytes, scales and scale_mult as from_float, also with the largest |w| in a late chunk
+    and NaN / huge elements; a chunk of the wrong shape is refused."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))
+    w[-1, -1] = 40.0  # the matrix's max |w| sits in the last chunk
+    w[0, 0] = float("nan")
+    whole = K.PackedLinear.from_float(w)
+    reads = []
+
+    def rows(a, b):
+        reads.append((a, b))
+        return w[a:b]
+
+    chunked = K.PackedLinear.from_row_chunks(n, k, rows, chunk_rows=chunk)
+    assert torch.equal(chunked.packed, whole.packed)
+    assert torch.equal(chunked.scales, whole.scales)
+    assert chunked.scale_mult == whole.scale_mult
+    assert all(a % 16 == 0 for a, _ in reads) and max(b for _, b in reads) == n
+    with pytest.raises(ValueError, match="rows"):
+        K.PackedLinear.from_row_chunks(
+            n, k, lambda a, b: torch.zeros(b - a + 1, k), chunk_rows=chunk
+        )

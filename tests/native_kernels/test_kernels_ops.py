@@ -568,13 +568,13 @@ def test_model_forward_is_embedding_layers_norm_and_head():
     h, vocab = 64, 50
     g = gen(4)
     head = K.PackedLinear.from_float(torch.randn(vocab, h, generator=g))
-    embed_q, embed_scale = head.unpack()
     norm = 1 + 0.1 * torch.randn(h, generator=g)
-    ends = K.ModelEnds(embed_q, embed_scale, norm, 1e-5, head)
+    ends = K.ModelEnds(head, norm, 1e-5, head)  # tied: the head is the embedding
     ids = torch.randint(0, vocab, (t,), generator=g)
     rows = torch.tensor([0, t - 1])
     copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
-    hidden = embed_q[ids].float() * embed_scale[ids].repeat_interleave(32, dim=1)[:, :h]
+    q, s = head.unpack()
+    hidden = q[ids].float() * s[ids].repeat_interleave(32, dim=1)[:, :h]
     K.llama_forward(K.LlamaStack(layers, copies), step, hidden)
     want = K.linear(K.rmsnorm(hidden[rows].contiguous(), norm, 1e-5), head)
     stack = K.LlamaStack(layers, caches)
@@ -588,6 +588,29 @@ def test_model_forward_is_embedding_layers_norm_and_head():
         K.model_forward(ends, stack, step, ids, torch.tensor([t]))
     with pytest.raises(ValueError, match="capacity"):
         K.model_forward(ends, stack, step, ids, torch.zeros(17, dtype=torch.int64))
+    # untied: the embedding is its own packed weight
+    embedding = K.PackedLinear.from_float(torch.randn(vocab + 3, h, generator=g))
+    q, s = embedding.unpack()
+    hidden = q[ids].float() * s[ids].repeat_interleave(32, dim=1)[:, :h]
+    copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    K.llama_forward(K.LlamaStack(layers, copies), step, hidden)
+    want = K.linear(K.rmsnorm(hidden[rows].contiguous(), norm, 1e-5), head)
+    untied = K.ModelEnds(embedding, norm, 1e-5, head)
+    assert torch.equal(K.model_forward(untied, K.LlamaStack(layers, caches), step, ids, rows), want)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 45), (50, 64), (33, 97)])
+def test_lookup_is_unpack_times_scales(n, k):
+    """A packed weight's channels looked up == its unpacked int8 rows times their group scales
+    (ragged last group, a partial last block), bit for bit; ids out of range are refused."""
+    w = K.PackedLinear.from_float(3 * torch.randn(n, k, generator=gen(n + k)))
+    q, s = w.unpack()
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+    want = q[ids].float() * s[ids].repeat_interleave(32, dim=1)[:, :k]
+    assert torch.equal(w.lookup(ids), want)
+    assert w.lookup(torch.tensor([], dtype=torch.int64)).shape == (0, k)
+    with pytest.raises(ValueError, match="ids"):
+        w.lookup(torch.tensor([n]))
 
 
 def test_layer_step_validates_the_batch_in_c():
