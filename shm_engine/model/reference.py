@@ -58,6 +58,13 @@ class ReferenceModel:
         )
 
     # ------------------------------------------------------------------ forward
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every projection and the LM head go through here: studies of other number formats
+        (scripts/act_quant_study.py) override it."""
+        return F.linear(x, weight, bias)
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, head_dim] (angles in fp32, as HF computes them; cos/sin in float64 rounded
         to fp32, like kernels.rope_cos_sin, whose NOTE says why)."""
@@ -102,9 +109,9 @@ class ReferenceModel:
             p = f"model.layers.{i}."
             w = self.w
             h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q = F.linear(h, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
-            k = F.linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
-            v = F.linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+            q = self.linear(h, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
+            k = self.linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
+            v = self.linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
             q = q.view(t, c.num_heads, c.head_dim).transpose(0, 1)  # [H, T, D]
             k = k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             v = v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
@@ -119,15 +126,15 @@ class ReferenceModel:
             v = v.repeat_interleave(groups, dim=0)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [H, T, D]
             attn = attn.transpose(0, 1).reshape(t, c.num_heads * c.head_dim)
-            x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
+            x = x + self.linear(attn, w[p + "self_attn.o_proj.weight"])
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
-            up = F.linear(h, w[p + "mlp.up_proj.weight"])
-            x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+            gate = self.linear(h, w[p + "mlp.gate_proj.weight"])
+            up = self.linear(h, w[p + "mlp.up_proj.weight"])
+            x = x + self.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
         if cache is not None:
             cache.length = start + t
         x = rms_norm(x, self.w["model.norm.weight"], c.rms_norm_eps)
-        return F.linear(x, self.lm_head)
+        return self.linear(x, self.lm_head)
 
     def prefill(self, prompt_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
         """Run the prompt into an empty cache; returns the last position's logits [V]."""

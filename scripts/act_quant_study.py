@@ -1,0 +1,210 @@
+"""How accurate would cheaper activation formats be? A simulation on the fp32 reference.
+
+The int8 kernels multiply int8 weights (a scale per channel and 32 k) by int16 activations
+(`vpdpwssd`, 32 MACs an instruction). 8-bit activations (`vpdpbusd`, 64 MACs) would double the
+compute-bound GEMMs (prefill, batched decode) but cost accuracy; this script measures how much,
+per scheme, as the model tests do: teacher-forced top-1 agreement with fp32 and perplexity, on
+several texts. Each scheme fake-quantises (quantise, dequantise, fp32 matmul) the inputs of every
+projection; the LM head keeps int16 activations.
+
+SmoothQuant (Xiao et al., 2023) divides each input channel j by
+s_j = max|x_j|^a / max|W_:,j|^(1 - a) and multiplies the weights' column j by it (exact in real
+numbers), moving activation outliers into the weights; the maxima of x come from a calibration
+text that is not among the evaluated ones. Projections that share an input (q/k/v, gate/up)
+share s, as they would in the fused kernels.
+
+    python scripts/act_quant_study.py            # the default model, all schemes
+    python scripts/act_quant_study.py --schemes a16,a8g32-sq0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shm_engine.model.loader import load_model
+from shm_engine.model.reference import ReferenceModel
+
+TEXTS = [
+    "The history of computing is longer than the history of computing hardware and modern "
+    "computing technology and includes the history of methods intended for pen and paper or for "
+    "chalk and slate, with or without the aid of tables. Digital computing is intimately tied to "
+    "the representation of numbers. But long before abstractions like the number arose, there "
+    "were mathematical concepts to serve the purposes of civilization. These concepts are "
+    "implicit in concrete practices such as one-to-one correspondence, the basis of counting, "
+    "and comparison to a standard, used for measurement. The earliest known tool for use in "
+    "computation was the abacus, and it was thought to have been invented in Babylon circa "
+    "2400 BC. Its original style of usage was by lines drawn in sand with pebbles. Abaci, of a "
+    "more modern design, are still used as calculation tools today.",
+    "To make a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and "
+    "seven grams of dried yeast. Add about three hundred and fifty millilitres of warm water and "
+    "stir until a rough dough forms. Knead it on a floured surface for ten minutes, until it is "
+    "smooth and springs back when pressed. Leave it in a covered bowl in a warm place for an hour, "
+    "or until it has doubled in size. Shape it into a loaf, place it in a tin, and let it rise "
+    "again for thirty minutes. Bake at two hundred degrees for thirty to thirty-five minutes, "
+    "until the crust is golden and the loaf sounds hollow when tapped underneath.",
+    "The city council met on Thursday evening to discuss the new bus routes. Several residents "
+    "complained that the changes would leave older people without a direct service to the "
+    "hospital, while others welcomed the more frequent buses on the main roads. The transport "
+    "officer explained that the budget had been cut by a fifth and that the network had to be "
+    "simplified. After a long debate, the council agreed to keep the hospital route for another "
+    "year and to review the whole network next spring, once the first figures on passenger "
+    "numbers are available.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+    "    return a\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n"
+    "        if not self.items:\n            raise IndexError('pop from an empty stack')\n"
+    "        return self.items.pop()\n\n    def __len__(self):\n        return len(self.items)\n",
+]
+CALIBRATION = (
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight "
+    "to synthesize foods from carbon dioxide and water. It generally involves the green pigment "
+    "chlorophyll and generates oxygen as a byproduct. The rivers of the northern plains flooded "
+    "every spring, and the farmers who lived along their banks learned to read the weather. "
+    "In 1969 the first humans walked on the Moon; the mission lasted eight days. Markets rose "
+    "sharply on Tuesday after the central bank held interest rates steady, while bond yields fell."
+)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """Activations: `bits` (8 or 16), scaled per token or per `group` consecutive k; optional
+    SmoothQuant strength `alpha`; `int16_down` keeps the down projection's input at 16 bits."""
+
+    name: str
+    bits: int
+    group: int | None = None
+    alpha: float | None = None
+    int16_down: bool = False
+
+
+SCHEMES = {
+    s.name: s
+    for s in [
+        Scheme("a16", 16),
+        Scheme("a8", 8),
+        Scheme("a8g32", 8, 32),
+        Scheme("a8g16", 8, 16),
+        Scheme("a8-sq0.5", 8, None, 0.5),
+        Scheme("a8g32-sq0.5", 8, 32, 0.5),
+        Scheme("a8g32-sq0.6", 8, 32, 0.6),
+        Scheme("a8g16-sq0.5", 8, 16, 0.5),
+        Scheme("a8g32-sq0.5-down16", 8, 32, 0.5, True),
+    ]
+}
+
+
+def quantize_weight(w: torch.Tensor) -> torch.Tensor:
+    """W8 with a scale per (channel, 32 k), dequantised: what PackedLinear stores."""
+    return fake_quant(w, 127, 32)
+
+
+def fake_quant(x: torch.Tensor, limit: int, group: int | None) -> torch.Tensor:
+    """Symmetric round-to-nearest to [-limit, limit] per row (or per `group` k of a row)."""
+    rows, k = x.shape
+    g = group or k
+    kp = -(-k // g) * g
+    xp = F.pad(x, (0, kp - k)).view(rows, kp // g, g)
+    scale = xp.abs().amax(-1, keepdim=True) / limit
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(xp / safe) * scale).view(rows, kp)[:, :k]
+
+
+_SIBLINGS = re.compile(r"^(model\.layers\.\d+)\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.")
+
+
+def input_group(name: str) -> str:
+    """Projections that read the same input (q/k/v, gate/up) share one smoothing vector."""
+    m = _SIBLINGS.match(name)
+    if m is None:
+        return name
+    return f"{m.group(1)}.{'qkv' if 'attn' in m.group(2) else 'gate_up'}"
+
+
+class StudyModel(ReferenceModel):
+    """The fp32 reference with fake-quantised projections (`scheme`; None: fp32), which can
+    record the max |x| per input channel of each projection (`calibrate`)."""
+
+    def __init__(self, config, weights) -> None:  # noqa: ANN001 - as ReferenceModel
+        super().__init__(config, weights)
+        self.scheme: Scheme | None = None
+        self._calibrating = False
+        self._group = {w.data_ptr(): input_group(n) for n, w in self.w.items() if w.dim() == 2}
+        self._xmax: dict[str, torch.Tensor] = {}
+        self._wmax: dict[str, torch.Tensor] = {}
+        for w in self.w.values():
+            g = self._group.get(w.data_ptr())
+            if g is not None and w.shape[0] != config.vocab_size:
+                m = w.abs().amax(0)
+                self._wmax[g] = torch.maximum(self._wmax[g], m) if g in self._wmax else m
+        self._packed: dict[tuple, torch.Tensor] = {}
+
+    def linear(self, x, weight, bias=None):  # noqa: ANN001, ANN201 - as ReferenceModel.linear
+        flat = x.reshape(-1, x.shape[-1])
+        key = self._group.get(weight.data_ptr())
+        if self.scheme is None:
+            if self._calibrating:
+                m = flat.abs().amax(0)
+                self._xmax[key] = torch.maximum(self._xmax[key], m) if key in self._xmax else m
+            return F.linear(x, weight, bias)
+        s = self.scheme
+        head = weight.shape[0] == self.config.vocab_size
+        down = weight.shape[1] == self.config.intermediate_size
+        bits = 16 if head or (down and s.int16_down) else s.bits
+        smooth = torch.ones(weight.shape[1])
+        if bits == 8 and s.alpha is not None:
+            smooth = self._xmax[key].clamp(min=1e-5) ** s.alpha
+            smooth = smooth / self._wmax[key].clamp(min=1e-5) ** (1 - s.alpha)
+        cache_key = (weight.data_ptr(), bits, s.alpha)
+        if cache_key not in self._packed:
+            self._packed[cache_key] = quantize_weight(weight * smooth)
+        xq = fake_quant(flat / smooth, 2 ** (bits - 1) - 1, s.group if bits == 8 else None)
+        y = F.linear(xq, self._packed[cache_key], bias)
+        return y.reshape(*x.shape[:-1], -1)
+
+    def calibrate(self, ids: list[int]) -> None:
+        self.scheme, self._calibrating = None, True
+        self.forward(ids)
+        self._calibrating = False
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated scheme names")
+    args = ap.parse_args()
+    schemes = [SCHEMES[n] for n in args.schemes.split(",")]
+    loaded = load_model(args.model)
+    model = StudyModel(loaded.config, loaded.weights)
+    tok = loaded.tokenizer
+    texts = [tok.encode(t) for t in TEXTS]
+    model.calibrate(tok.encode(CALIBRATION))
+    expected = [model.forward(ids) for ids in texts]
+    print(f"{len(texts)} texts, {sum(len(t) - 1 for t in texts)} predicted tokens")
+    print(f"{'scheme':22s} {'top-1 (pooled)':>14s}  per text                      ppl ratio")
+    for s in schemes:
+        model.scheme = s
+        agree, total, per_text, ratios = 0, 0, [], []
+        for ids, want in zip(texts, expected, strict=True):
+            got = model.forward(ids)
+            same = int((got.argmax(-1) == want.argmax(-1)).sum())
+            agree, total = agree + same, total + len(ids)
+            per_text.append(same / len(ids))
+            ratios.append(perplexity(got, ids) / perplexity(want, ids))
+        texts_s = " ".join(f"{a:.3f}" for a in per_text)
+        ratio_s = " ".join(f"{r:.3f}" for r in ratios)
+        print(f"{s.name:22s} {agree / total:14.4f}  {texts_s}   {ratio_s}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
