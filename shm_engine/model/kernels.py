@@ -276,19 +276,26 @@ class PackedLinear:
         n, k = w.shape
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
-        take = (
-            arena.take
-            if arena is not None
-            else lambda numel, dtype: torch.empty(numel, dtype=dtype)
-        )
-        packed = take(int(lib.shmk_packed_bytes(n, k)), torch.int8)
-        scales = take(int(lib.shmk_packed_scales(n, k)), torch.int16)
+        packed, scales = cls._buffers(n, k, arena)
         mult = float(lib.shmk_pack_weights(_f32(w), n, k, _i8(packed), _u16(scales)))
         b = None
         if bias is not None:
             b = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
             _shape(b, "bias", (n,))
         return cls(n, k, packed, scales, mult, b, act_bf16)
+
+    @staticmethod
+    def _buffers(n: int, k: int, arena: HugeArena | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialised packed bytes and fp16 scales for an [n, k] weight (arena or heap)."""
+        take = (
+            arena.take
+            if arena is not None
+            else lambda numel, dtype: torch.empty(numel, dtype=dtype)
+        )
+        return (
+            take(int(lib.shmk_packed_bytes(n, k)), torch.int8),
+            take(int(lib.shmk_packed_scales(n, k)), torch.int16),
+        )
 
     @classmethod
     def from_row_chunks(
@@ -323,13 +330,7 @@ class PackedLinear:
         for a, b in spans:
             w = chunk(a, b)
             amax = max(amax, float(lib.shmk_weights_amax(_f32(w), w.numel())))
-        take = (
-            arena.take
-            if arena is not None
-            else lambda numel, dtype: torch.empty(numel, dtype=dtype)
-        )
-        packed = take(int(lib.shmk_packed_bytes(n, k)), torch.int8)
-        scales = take(int(lib.shmk_packed_scales(n, k)), torch.int16)
+        packed, scales = cls._buffers(n, k, arena)
         block_bytes, block_scales = padded_k(k) * 16, padded_k(k) // 32 * 16
         mult = 1.0
         for a, b in spans:

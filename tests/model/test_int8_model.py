@@ -15,6 +15,7 @@ import torch
 from shm_engine.model import kernels
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
+from shm_engine.model.eval_texts import EVAL_TEXTS
 from shm_engine.model.int8_model import Int8Llama
 from shm_engine.model.kv_cache import allocate_kv
 from shm_engine.model.reference import ReferenceModel
@@ -162,18 +163,7 @@ def test_int8_decode_steps_match_reference():
         assert (o.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
 
 
-TEXT = (
-    "The history of computing is longer than the history of computing hardware and modern "
-    "computing technology and includes the history of methods intended for pen and paper or for "
-    "chalk and slate, with or without the aid of tables. Digital computing is intimately tied to "
-    "the representation of numbers. But long before abstractions like the number arose, there "
-    "were mathematical concepts to serve the purposes of civilization. These concepts are "
-    "implicit in concrete practices such as one-to-one correspondence, the basis of counting, "
-    "and comparison to a standard, used for measurement. The earliest known tool for use in "
-    "computation was the abacus, and it was thought to have been invented in Babylon circa "
-    "2400 BC. Its original style of usage was by lines drawn in sand with pebbles. Abaci, of a "
-    "more modern design, are still used as calculation tools today."
-)
+TEXT = EVAL_TEXTS[0]
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
