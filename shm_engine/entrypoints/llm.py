@@ -264,6 +264,10 @@ class LLM:
                 for rid in waiting:
                     r = self._latest.get(rid)
                     if r is not None and r.finished:
+                        if r.error:
+                            # NOTE: raise as vLLM's LLM does (its outputs have no error field);
+                            # the handler below aborts the other prompts.
+                            raise ValueError(r.error)
                         finished[rid] = self._latest.pop(rid)
                         bar.update(1)
                 waiting = [rid for rid in waiting if rid not in finished]

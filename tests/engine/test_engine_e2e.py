@@ -859,3 +859,21 @@ def test_llm_prompt_cache_salt_and_priority():
                 llm.generate(["a", "b"], params, use_tqdm=False, priority=bad)
         with pytest.raises(ValueError, match="may not set messages"):
             llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []})
+
+
+def test_llm_generate_raises_what_the_engine_refused():
+    """A request the engine refuses (here: it sleeps) makes generate raise, as vLLM's LLM does,
+    instead of returning an output with an error; nothing is left running, and the next
+    generate after wake_up works."""
+    from shm_engine import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM(dtype=DTYPE, num_kv_blocks=64, in_process=True) as llm:
+        llm.sleep()
+        with pytest.raises(ValueError, match="sleeping"):
+            llm.generate(["a", "b"], params, use_tqdm=False)
+        llm.wake_up()
+        stats = llm.get_stats()
+        assert stats.num_running == stats.num_waiting == 0
+        outs = llm.generate(["a", "b"], params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
