@@ -90,10 +90,6 @@ class HFStyleTokenizer:
         ids = self.tokenizer.eos_token_ids
         return ids[0] if ids else None
 
-    @property
-    def pad_token_id(self) -> int | None:
-        return None
-
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
         if isinstance(ids, int):
             return self.tokenizer.id_to_token(ids)

@@ -145,6 +145,11 @@ _END_OF_GENERATION_TEXTS = frozenset(
 _ADD_BOS_PRE = frozenset((*_LLAMA3_BOS_NAMES, "tekken"))
 
 
+def _opt_id(value: Any, vocab: int) -> int | None:
+    """A GGUF token id key's value, or None when absent or outside the vocabulary."""
+    return int(value) if value is not None and 0 <= int(value) < vocab else None
+
+
 class Tokenizer:
     """Encode/decode, special ids and chat templating for one model."""
 
@@ -156,9 +161,14 @@ class Tokenizer:
         eos_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
         add_bos_token: bool = False,
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
+        # pad / unk: reported (HF's tok.pad_token_id, unk_token_id), never inserted by us
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
@@ -209,6 +219,8 @@ class Tokenizer:
             chat_template=template,
             # the post-processor in tokenizer.json already adds BOS where the model wants it
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
+            pad_token_id=token_id(tcfg.get("pad_token")),
+            unk_token_id=token_id(tcfg.get("unk_token")),
         )
 
     @classmethod
@@ -272,6 +284,8 @@ class Tokenizer:
             eos_token_ids=eos,
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=add_bos,
+            pad_token_id=_opt_id(meta.get("tokenizer.ggml.padding_token_id"), len(tokens)),
+            unk_token_id=_opt_id(meta.get("tokenizer.ggml.unknown_token_id"), len(tokens)),
         )
 
     def save_hf(self, path: str | Path) -> None:
@@ -284,6 +298,9 @@ class Tokenizer:
             cfg["bos_token"] = self.backend.id_to_token(self.bos_token_id)
         if self.eos_token_ids:
             cfg["eos_token"] = self.backend.id_to_token(self.eos_token_ids[0])
+        for key, tid in (("pad_token", self.pad_token_id), ("unk_token", self.unk_token_id)):
+            if tid is not None:
+                cfg[key] = self.backend.id_to_token(tid)
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))

@@ -87,6 +87,8 @@ def tiny_tokenizer_metadata(pre: str = "smollm") -> dict:
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": CHATML_TEMPLATE,
     }
@@ -204,6 +206,8 @@ def write_tiny_gguf(
     w.add_token_merges(meta["tokenizer.ggml.merges"])
     w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
     w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_pad_token_id(meta["tokenizer.ggml.padding_token_id"])
+    w.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template(meta["tokenizer.chat_template"])
     for name, t in weights.items():

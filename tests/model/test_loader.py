@@ -143,6 +143,8 @@ def test_tiny_gguf_and_hf_paths_agree(tmp_path: Path, overrides: dict) -> None:
         "the an<|im_end|>"
     )
     assert hf_model.tokenizer.eos_token_ids == gguf_model.tokenizer.eos_token_ids == (2, 0)
+    for tok in (gguf_model.tokenizer, hf_model.tokenizer):  # through save_hf and back
+        assert (tok.pad_token_id, tok.unk_token_id) == (2, 0)
 
     ids = torch.tensor([1, 50, 60, 70, 80, 90, 100])
     la = ReferenceModel(gguf_model.config, gguf_model.weights).forward(ids)

@@ -291,4 +291,5 @@ def test_llm_get_tokenizer_answers_as_the_hf_tokenizer(
     assert tok.decode(ids) == hf.decode(ids) and tok.batch_decode([ids]) == hf.batch_decode([ids])
     assert tok("Hi there").input_ids == hf("Hi there").input_ids
     assert (tok.eos_token_id, len(tok)) == (hf.eos_token_id, len(hf))
+    assert (tok.pad_token_id, tok.unk_token_id) == (hf.pad_token_id, hf.unk_token_id) == (2, 0)
     assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
