@@ -36,14 +36,36 @@ class HFStyleTokenizer:
     def __len__(self) -> int:
         return self.tokenizer.vocab_size
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> Encoding:
+    def __call__(
+        self,
+        text: str | Sequence[str],
+        add_special_tokens: bool = True,
+        padding: bool | str = False,
+        return_tensors: str | None = None,
+    ) -> Encoding:
+        """HF's encoding: ``padding`` (True / "longest") pads a batch on the right with the pad
+        token; ``return_tensors`` "pt" or "np" gives int64 [batch, len] arrays."""
         if isinstance(text, str):
-            ids: Any = self.encode(text, add_special_tokens)
-            mask: Any = [1] * len(ids)
+            rows = [self.encode(text, add_special_tokens)]
         else:
-            ids = self.tokenizer.encode_batch(text, add_special_tokens)
-            mask = [[1] * len(i) for i in ids]
-        return Encoding(input_ids=ids, attention_mask=mask)
+            rows = self.tokenizer.encode_batch(text, add_special_tokens)
+        masks = [[1] * len(r) for r in rows]
+        if padding not in (False, "do_not_pad") and rows:
+            if padding not in (True, "longest"):
+                raise ValueError(f"padding={padding!r} is not supported (True or 'longest')")
+            if self.tokenizer.pad_token_id is None:
+                raise ValueError("Asking to pad but the tokenizer does not have a padding token")
+            width = max(len(r) for r in rows)
+            masks = [m + [0] * (width - len(m)) for m in masks]
+            rows = [r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows]
+        if return_tensors is not None:
+            return Encoding(
+                input_ids=_as_tensor(rows, return_tensors),
+                attention_mask=_as_tensor(masks, return_tensors),
+            )
+        if isinstance(text, str):
+            return Encoding(input_ids=rows[0], attention_mask=masks[0])
+        return Encoding(input_ids=rows, attention_mask=masks)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -59,7 +81,7 @@ class HFStyleTokenizer:
 
     def apply_chat_template(
         self,
-        conversation: Sequence[Mapping[str, Any]],
+        conversation: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         tools: Any = None,
         *,
         add_generation_prompt: bool = False,
@@ -67,23 +89,34 @@ class HFStyleTokenizer:
         tokenize: bool = True,
         chat_template: str | None = None,
         return_dict: bool = False,
+        return_tensors: str | None = None,
         **kwargs: Any,
-    ) -> str | list[int] | Encoding:
+    ) -> Any:
         """HF's defaults: token ids (transformers 4's list; ``return_dict`` for the encoding
-        transformers 5 returns by default), no generation prompt unless asked for."""
+        transformers 5 returns by default), no generation prompt unless asked for; a list of
+        conversations gives a list (with ``return_tensors``, of one length, as HF asks)."""
         if tools:
             raise ValueError("tools are not supported")
-        text = self.tokenizer.apply_chat_template(
-            conversation,
+        options = dict(
             add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
             continue_final_message=continue_final_message,
+            chat_template=chat_template,
             **kwargs,
         )
+        batched = bool(conversation) and not isinstance(conversation[0], Mapping)
+        convs = list(conversation) if batched else [conversation]
+        texts = [self.tokenizer.apply_chat_template(c, **options) for c in convs]
         if not tokenize:
-            return text
-        ids = self.encode(text, add_special_tokens=False)
-        return Encoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids
+            return texts if batched else texts[0]
+        rows = [self.encode(t, add_special_tokens=False) for t in texts]
+        masks = [[1] * len(r) for r in rows]
+        if return_tensors:
+            ids, mask = _as_tensor(rows, return_tensors), _as_tensor(masks, return_tensors)
+        elif batched:
+            ids, mask = rows, masks
+        else:
+            ids, mask = rows[0], masks[0]
+        return Encoding(input_ids=ids, attention_mask=mask) if return_dict else ids
 
     @property
     def eos_token_id(self) -> int | None:
@@ -106,3 +139,22 @@ class HFStyleTokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         return sorted(self.tokenizer.all_special_ids)
+
+
+def _as_tensor(rows: list[list[int]], kind: str) -> Any:
+    """int64 [len(rows), width] as torch ("pt") or numpy ("np"); rows must be of one length
+    (HF's error otherwise)."""
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError(
+            "Unable to create tensor, you should probably activate truncation and/or padding "
+            "with 'padding=True' to have batched tensors with the same length."
+        )
+    if kind == "np":
+        import numpy as np
+
+        return np.asarray(rows, dtype=np.int64)
+    if kind == "pt":
+        import torch  # NOTE: only here: the frontend stays torch-free unless asked for tensors
+
+        return torch.tensor(rows, dtype=torch.int64)
+    raise ValueError(f"return_tensors={kind!r} is not supported ('pt' or 'np')")

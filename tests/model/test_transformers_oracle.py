@@ -292,4 +292,28 @@ def test_llm_get_tokenizer_answers_as_the_hf_tokenizer(
     assert tok("Hi there").input_ids == hf("Hi there").input_ids
     assert (tok.eos_token_id, len(tok)) == (hf.eos_token_id, len(hf))
     assert (tok.pad_token_id, tok.unk_token_id) == (hf.pad_token_id, hf.unk_token_id) == (2, 0)
+    # tensors, padding and batched conversations as HF gives them
+    texts = ["Hi there", "Hello"]
+    for kind in ("pt", "np"):
+        got, want = (
+            tok(texts, padding=True, return_tensors=kind),
+            hf(texts, padding=True, return_tensors=kind),
+        )
+        assert got.input_ids.tolist() == want.input_ids.tolist()
+        assert got.attention_mask.tolist() == want.attention_mask.tolist()
+        assert str(got.input_ids.dtype) == str(want.input_ids.dtype)
+        assert (
+            tok("Hi", return_tensors=kind).input_ids.tolist()
+            == hf("Hi", return_tensors=kind).input_ids.tolist()
+        )
+    with pytest.raises(ValueError, match="padding=True"):
+        tok(texts, return_tensors="pt")
+    assert tok(texts, padding=True).input_ids == hf(texts, padding=True).input_ids
+    convs = [MESSAGES[0], [{"role": "user", "content": "hello there"}]]
+    assert tok.apply_chat_template(convs) == hf.apply_chat_template(convs, return_dict=False)
+    one = tok.apply_chat_template(MESSAGES[0], return_tensors="pt")
+    assert (
+        one.tolist()
+        == hf.apply_chat_template(MESSAGES[0], return_tensors="pt", return_dict=False).tolist()
+    )
     assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
