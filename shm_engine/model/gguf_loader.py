@@ -189,9 +189,19 @@ class GGUFWeights(WeightSource):
     def gguf_type(self, name: str) -> GGMLQuantizationType:
         return self._tensors[name].tensor_type
 
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count whose rows llama.cpp permuted in this tensor (Q, K), else None."""
+        if not self._permute:
+            return None
+        if ".self_attn.q_proj." in name:
+            return self.config.num_heads
+        if ".self_attn.k_proj." in name:
+            return self.config.num_kv_heads
+        return None
+
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         t = self._tensors[name]
-        if self._permute and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+        if self._permuted_heads(name) is not None:
             return super().rows(name, start, end)  # permuted within heads: whole
         w = dequantize_rows(t, start, end)
         if isinstance(self.reader, FastGGUFReader):
@@ -204,12 +214,8 @@ class GGUFWeights(WeightSource):
         w = dequantize_tensor(t)
         if isinstance(self.reader, FastGGUFReader):
             self.reader.release(int(t.data_offset), int(t.n_bytes))
-        if self._permute:
-            if ".self_attn.q_proj." in name:
-                w = unpermute_qk(w, self.config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                w = unpermute_qk(w, self.config.num_kv_heads)
-        return w
+        heads = self._permuted_heads(name)
+        return w if heads is None else unpermute_qk(w, heads)
 
 
 def load_gguf(path: str | Path) -> LoadedModel:

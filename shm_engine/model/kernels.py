@@ -194,6 +194,11 @@ def _u16(t: torch.Tensor):
     return ffi.cast("uint16_t *", t.data_ptr())
 
 
+def _cpu_f32(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 CPU copy of ``t`` (``t`` itself when it already is one)."""
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
 def _as_i64(t: torch.Tensor, name: str) -> torch.Tensor:
     _check(t, name, (torch.int64, torch.int32), 1)
     return t if t.dtype == torch.int64 else t.to(torch.int64)
@@ -272,7 +277,7 @@ class PackedLinear:
             raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
         if not weight.is_floating_point():
             raise TypeError(f"weight must be floating point, got {weight.dtype}")
-        w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        w = _cpu_f32(weight)
         n, k = w.shape
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
@@ -280,7 +285,7 @@ class PackedLinear:
         mult = float(lib.shmk_pack_weights(_f32(w), n, k, _i8(packed), _u16(scales)))
         b = None
         if bias is not None:
-            b = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            b = _cpu_f32(bias)
             _shape(b, "bias", (n,))
         return cls(n, k, packed, scales, mult, b, act_bf16)
 
@@ -322,7 +327,7 @@ class PackedLinear:
             w = rows(a, b)
             if not isinstance(w, torch.Tensor) or not w.is_floating_point():
                 raise TypeError("rows() must give a floating point torch.Tensor")
-            w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            w = _cpu_f32(w)
             _shape(w, "rows", (b - a, k))
             return w
 
