@@ -31,7 +31,8 @@ SHAPES = [
 MS = [1, 8, 32, 256]
 # "ours": the default weight (bf16 activations on AMX from 64 rows); "ours_int16": act_bf16=False,
 # the model's down projection (int16 activations everywhere; exact int8 tiles on AMX)
-IMPLS = ["ours", "ours_int16", "torch_fp32", "torch_int8_dyn"]
+# "ours_a8": enable_act8 (8-bit activations from kernels.a8_min_rows() rows on path vnni)
+IMPLS = ["ours", "ours_int16", "ours_a8", "torch_fp32", "torch_int8_dyn"]
 
 
 def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
@@ -40,6 +41,7 @@ def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
     x = torch.randn(m, k, generator=g)
     packed = kernels.PackedLinear.from_float(w)
     exact = kernels.PackedLinear.from_float(w, act_bf16=False)
+    a8 = kernels.PackedLinear.from_float(w).enable_act8()
     out = torch.empty(m, n)
     wt = w.t().contiguous()  # torch fp32: x @ W^T with a pre-transposed weight (its best case)
     fp_out = torch.empty(m, n)
@@ -51,6 +53,7 @@ def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
     return {
         "ours": lambda: kernels.linear(x, packed, out),
         "ours_int16": lambda: kernels.linear(x, exact, out),
+        "ours_a8": lambda: kernels.linear(x, a8, out),
         "torch_fp32": lambda: torch.matmul(x, wt, out=fp_out),
         "torch_int8_dyn": lambda: qlin(x),
     }
@@ -107,11 +110,12 @@ def format_table(rows: list[dict]) -> str:
         {(r["name"], r["n"], r["k"], r["m"]) for r in rows},
         key=lambda x: (SHAPES_ORDER.get(x[0], 99), x[3]),
     )
-    head = f"{'shape':<8} {'n':>6} {'k':>5} {'m':>4} | {'ours':>8} {'int16':>8} {'fp32':>8} {'int8dyn':>8} | {'vs int8':>7} {'vs fp32':>7} | {'ours us':>8}"
+    head = f"{'shape':<8} {'n':>6} {'k':>5} {'m':>4} | {'ours':>8} {'int16':>8} {'a8':>8} {'fp32':>8} {'int8dyn':>8} | {'vs int8':>7} {'a8 vs':>7} {'vs fp32':>7} | {'ours us':>8}"
     lines = [head, "-" * len(head)]
     for name, n, k, m in keys:
         o = by.get((name, m, "ours"))
         e = by.get((name, m, "ours_int16"))
+        a = by.get((name, m, "ours_a8"))
         f = by.get((name, m, "torch_fp32"))
         q = by.get((name, m, "torch_int8_dyn"))
 
@@ -120,9 +124,10 @@ def format_table(rows: list[dict]) -> str:
 
         rq = f"{o['gops'] / q['gops']:6.2f}x" if o and q else f"{'-':>7}"
         rf = f"{o['gops'] / f['gops']:6.2f}x" if o and f else f"{'-':>7}"
+        ra = f"{a['gops'] / q['gops']:6.2f}x" if a and q else f"{'-':>7}"
         us = f"{o['us']:8.1f}" if o else f"{'-':>8}"
         lines.append(
-            f"{name:<8} {n:>6} {k:>5} {m:>4} | {g(o)} {g(e)} {g(f)} {g(q)} | {rq} {rf} | {us}"
+            f"{name:<8} {n:>6} {k:>5} {m:>4} | {g(o)} {g(e)} {g(a)} {g(f)} {g(q)} | {rq} {ra} {rf} | {us}"
         )
     return "\n".join(lines)
 

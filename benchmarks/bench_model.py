@@ -5,7 +5,8 @@
 - decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context (batch over the median step);
 - peak RSS of a fresh process that loads the default int8 model (KV cache excluded).
 
-    python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8] [--gemm-ms 300]
+    python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
+        [--activation-dtype int8] [--gemm-ms 300]
 
 The JSON also records the machine (CPU, kernel path, threads): runs on different days may have
 run on different CPUs.
@@ -101,6 +102,12 @@ def main() -> int:
         "--kv-cache-dtype", default="fp16", choices=["fp16", "int8"], help="the int8 model's cache"
     )
     ap.add_argument(
+        "--activation-dtype",
+        default="int16",
+        choices=["int16", "int8"],
+        help="the int8 model's activations in big linear calls (int8: AVX512-VNNI only)",
+    )
+    ap.add_argument(
         "--gemm-ms", type=float, default=300.0, help="GEMM table: timing budget a point, ms"
     )
     args = ap.parse_args()
@@ -119,6 +126,7 @@ def main() -> int:
         "machine": machine,
         "peak_rss_mb": peak_rss_mb(),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "activation_dtype": args.activation_dtype,
     }
     print(f"peak RSS holding the int8 model: {results['peak_rss_mb']:.0f} MB")
 
@@ -129,7 +137,14 @@ def main() -> int:
     results["gemm"] = [{k: r[k] for k in ("m", "n", "k", "name", "impl", "gops")} for r in rows]
 
     loaded = load_model(None)
-    models = {"int8": Int8Llama(loaded.config, loaded.weights, kv_cache_dtype=args.kv_cache_dtype)}
+    models = {
+        "int8": Int8Llama(
+            loaded.config,
+            loaded.weights,
+            kv_cache_dtype=args.kv_cache_dtype,
+            activation_dtype=args.activation_dtype,
+        )
+    }
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
     threads = torch.get_num_threads()

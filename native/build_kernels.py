@@ -15,6 +15,7 @@ SOURCES = [
     "gemm16.c",
     "gemm_amx.c",
     "gemm_amx8.c",
+    "gemm_a8.c",
     "ops.c",
     "kv_quant.c",
     "attention.c",

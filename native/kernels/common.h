@@ -1,6 +1,7 @@
 /* Internal helpers shared by the kernel translation units. */
 #ifndef SHMK_COMMON_H
 #define SHMK_COMMON_H
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -18,6 +19,8 @@ enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
  * weight stream either way; model steps at 9-12 rows measured 8-12% faster than on VNNI (tie at
  * 8, VNNI ahead at 4) */
 #define SHMK_AMX8_MIN_M 9
+/* rows from which weights with wsums take 8-bit activations on path vnni (gemm_a8.c) */
+#define SHMK_A8_MIN_M 16
 
 /* Packed weight layout shared by gemm16.c (which documents it), gemm_amx.c and gemm_amx8.c. */
 #define GK 32            /* k per scale group */
@@ -25,6 +28,12 @@ enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
 #define GBYTES (GK * NB) /* bytes of one block-group */
 
 static inline int64_t shmk_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* A packed weight scale (fp16 bits) as a float: exact; only 0 and normals are ever stored. */
+static inline float shmk_h2f(uint16_t h) {
+    if (!(h & 0x7fff)) return 0.f;
+    return ldexpf(1.f + (float)(h & 1023) / 1024.f, ((h >> 10) & 31) - 15);
+}
 
 /* Current dispatch path (set once from the CPU / SHMK_PATH env, or by shmk_set_path). */
 int shmk_path(void);
@@ -51,6 +60,10 @@ typedef struct {
     int64_t m, nunits, rows_per_task, mtasks, units_per_task, ntasks;
 } shmk_split_plan;
 shmk_split_plan shmk_split_units(int64_t m, int64_t nunits, int nth);
+/* The integer GEMMs' split: up to mtile rows as shmk_split_units does; more in row tiles of
+ * mtile rows (a block's weights stay in L1 across a tile's rows) x unit ranges, ~8 tasks a
+ * thread in all. */
+shmk_split_plan shmk_split_tiles(int64_t m, int64_t nunits, int nth, int64_t mtile);
 /* task's units [u0, u1) and rows [i0, i1) */
 static inline void shmk_split_task(const shmk_split_plan *p, int64_t task, int64_t *u0,
                                    int64_t *u1, int64_t *i0, int64_t *i1) {
@@ -89,6 +102,10 @@ void shmk_quant_row(const float *x, int64_t k, int64_t kp, int16_t *q, float *s)
  * two), and one row's symmetric int8 quantisation with its scale */
 void shmk_fwht(float *x, int64_t d);
 void shmk_quant_kv_row(const float *x, int64_t d, int8_t *q, float *scale);
+
+/* y (+)= linear(x) on 8-bit activations (gemm_a8.c; w->wsums set) */
+void shmk_linear_a8_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
+                         int accumulate);
 
 /* GEMM internal reused by the fused layer: y (+)= linear(x). */
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);

@@ -100,10 +100,6 @@ static uint16_t f2h(float f) { /* f >= 0; values below the fp16 normal range flu
     return (uint16_t)((E << 10) | mi);
 }
 
-static float h2f(uint16_t h) { /* exact; only 0 and normals are ever stored */
-    if (!(h & 0x7fff)) return 0.f;
-    return ldexpf(1.f + (float)(h & 1023) / 1024.f, ((h >> 10) & 31) - 15);
-}
 
 /* ------------------------------------------------------------------ packing */
 static inline int8_t *wq_at(int8_t *p, int64_t G, int64_t j, int64_t kk) {
@@ -145,7 +141,7 @@ static void pack_group(const float *w, int64_t len, float emul, int8_t *rows, ui
     for (int t = 0; t < GK; t++) amax = max_abs(amax, v[t]);
     const uint16_t h = f2h(amax / 127.f * emul);
     *scale = h;
-    const float s = h2f(h) / emul;
+    const float s = shmk_h2f(h) / emul;
     int8_t q[GK] = {0};
     if (s > 0.f) {
         for (int t = 0; t < GK; t++) {
@@ -199,7 +195,7 @@ void shmk_unpack_weights(const int8_t *packed, const uint16_t *scales, float sca
     for (int64_t j = 0; j < n; j++) {
         for (int64_t kk = 0; kk < k; kk++) q[j * k + kk] = *wq_at((int8_t *)packed, G, j, kk);
         for (int64_t g = 0; g < G; g++)
-            gscales[j * G + g] = h2f(scales[((j / NB) * G + g) * NB + j % NB]) * scale_mult;
+            gscales[j * G + g] = shmk_h2f(scales[((j / NB) * G + g) * NB + j % NB]) * scale_mult;
     }
 }
 
@@ -216,7 +212,7 @@ void shmk_dequant_channels(const shmk_linear_t *w, const int64_t *ids, int64_t t
         const uint16_t *sc = w->scales + b * G * NB + c;
         float *y = out + i * k;
         for (int64_t g = 0; g < G; g++) {
-            const float s = h2f(sc[g * NB]) * w->scale_mult;
+            const float s = shmk_h2f(sc[g * NB]) * w->scale_mult;
             const int8_t *q = blk + g * GBYTES;
             const int64_t len = k - g * GK < GK ? k - g * GK : GK;
             for (int64_t kk = 0; kk < len; kk++)
@@ -372,7 +368,7 @@ static void tile_portable(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1
                 continue;
             }
             const uint16_t *s = c->scales + (blk * c->G + g) * NB;
-            for (int ch = 0; ch < NB; ch++) acc[ch] = fmaf((float)d[ch], h2f(s[ch]), acc[ch]);
+            for (int ch = 0; ch < NB; ch++) acc[ch] = fmaf((float)d[ch], shmk_h2f(s[ch]), acc[ch]);
         }
         if (c->dots) continue;
         for (int64_t ch = 0; ch < NB && blk * NB + ch < c->n; ch++)
@@ -820,22 +816,11 @@ static void quant_task(void *vctx, int64_t task, int tid) {
  * the tile's int16 activations (24 x 1.2-3 KB) mostly too (96-row tiles measured ~35% slower). */
 #define MTILE 24
 static void plan_and_run(gemm_ctx *c) {
-    int nth = shmk_threads();
     c->nb = shmk_cdiv(c->n, NB);
     c->nunits = shmk_cdiv(c->nb, 2);
-    if (c->m <= MTILE) {
-        c->m_per_task = c->m;
-        c->mtasks = 1;
-        c->units_per_task = shmk_split_units(c->m, c->nunits, nth).units_per_task;
-    } else {
-        c->m_per_task = MTILE;
-        c->mtasks = shmk_cdiv(c->m, MTILE);
-        int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, c->mtasks);
-        if (nchunks < 1) nchunks = 1;
-        c->units_per_task = shmk_cdiv(c->nunits, nchunks);
-    }
-    int64_t ntasks = shmk_cdiv(c->nunits, c->units_per_task) * c->mtasks;
-    shmk_parallel(gemm_task, c, ntasks);
+    const shmk_split_plan p = shmk_split_tiles(c->m, c->nunits, shmk_threads(), MTILE);
+    c->m_per_task = p.rows_per_task, c->mtasks = p.mtasks, c->units_per_task = p.units_per_task;
+    shmk_parallel(gemm_task, c, p.ntasks);
 }
 
 static void prepare(gemm_ctx *c, const float *x, const int16_t *xq_given) {
@@ -879,6 +864,10 @@ int shmk_amx_bf16_min_rows(void) { return SHMK_AMX_MIN_M; }
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                       int accumulate) {
     if (m <= 0 || w->n <= 0) return;
+    if (shmk_path() == SHMK_VNNI && m >= SHMK_A8_MIN_M && w->wsums) {
+        shmk_linear_a8_impl(w, x, m, y, accumulate);
+        return;
+    }
     if (shmk_path() == SHMK_AMX && m >= SHMK_AMX_MIN_M && w->act_bf16) {
         shmk_linear_amx(w, x, m, y, accumulate);
         return;

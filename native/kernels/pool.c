@@ -253,6 +253,17 @@ shmk_split_plan shmk_split_units(int64_t m, int64_t nunits, int nth) {
     return p;
 }
 
+shmk_split_plan shmk_split_tiles(int64_t m, int64_t nunits, int nth, int64_t mtile) {
+    if (m <= mtile) return shmk_split_units(m, nunits, nth);
+    shmk_split_plan p = {.m = m, .nunits = nunits, .rows_per_task = mtile};
+    p.mtasks = shmk_cdiv(m, mtile);
+    int64_t nchunks = nth == 1 ? 1 : shmk_cdiv(8 * nth, p.mtasks);
+    if (nchunks < 1) nchunks = 1;
+    p.units_per_task = shmk_cdiv(nunits, nchunks);
+    p.ntasks = shmk_cdiv(nunits, p.units_per_task) * p.mtasks;
+    return p;
+}
+
 /* ---- thread-local scratch ---- */
 #define NSLOTS 9
 static _Thread_local struct {

@@ -30,6 +30,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "int8"  # "int8" (VNNI kernels) or "float32" (torch reference path)
     # "auto" (the model's: fp16 for int8, fp32 for float32), "fp16" or "int8" (int8 weights only)
     kv_cache_dtype: str = "auto"
+    # "int16" or "int8": 8-bit activations for the int8 model's big linear calls on AVX512-VNNI
+    # (faster prefill and batched decode, less accurate: docs/kernels.md)
+    activation_dtype: str = "int16"
     log_stats: bool = True
 
     def __post_init__(self) -> None:
@@ -61,6 +64,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.dtype == "float32" and self.kv_cache_dtype != "auto":
             raise ValueError("the float32 reference path keeps an fp32 KV cache")
+        if self.activation_dtype not in ("int16", "int8"):
+            raise ValueError(
+                f"activation_dtype must be 'int16' or 'int8', got {self.activation_dtype!r}"
+            )
+        if self.dtype == "float32" and self.activation_dtype != "int16":
+            raise ValueError("activation_dtype applies to the int8 model only")
 
     def resolved_threads(self) -> int:
         if self.num_threads:

@@ -48,6 +48,7 @@ def build_model(config: EngineConfig, loaded: LoadedModel):
             loaded.weights,
             num_threads=config.resolved_threads(),
             kv_cache_dtype=_int8_kv_name(config),
+            activation_dtype=config.activation_dtype,
         )
     from shm_engine.model.torch_model import TorchLlama
 

@@ -224,7 +224,8 @@ class PackedLinear:
     """
 
     __slots__ = (
-        "n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16", "_c",
+        "n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16", "wsums",
+        "_c",
     )  # fmt: skip
 
     def __init__(self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True):
@@ -253,6 +254,18 @@ class PackedLinear:
         c.scale_mult = float(scale_mult)
         c.bias = _f32(bias) if bias is not None else ffi.NULL
         self._c = c
+        self.wsums: torch.Tensor | None = None
+
+    def enable_act8(self) -> PackedLinear:
+        """Let calls of >= ``a8_min_rows()`` rows on path "vnni" quantise the activations to
+        int8 with a scale per 16 k (~1.6x the int16 kernel's speed; less accurate:
+        docs/kernels.md). Stores the weight sums that take back the kernel's u8 offset
+        (1/8 byte a weight). Layers built from this weight afterwards inherit it."""
+        if self.wsums is None:
+            self.wsums = torch.empty(int(lib.shmk_a8_sums_count(self.n, self.k)), dtype=torch.int16)
+            lib.shmk_a8_weight_sums(self._c, _i16(self.wsums))
+            self._c.wsums = _i16(self.wsums)
+        return self
 
     @staticmethod
     def arena_bytes(n: int, k: int) -> int:
@@ -352,6 +365,7 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         extra = self.bias.numel() * 4 if self.bias is not None else 0
+        extra += self.wsums.numel() * 2 if self.wsums is not None else 0
         return self.packed.numel() + self.scales.numel() * 2 + extra
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -410,8 +424,39 @@ def group_dots(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     return dots
 
 
+def a8_min_rows() -> int:
+    """Rows from which ``enable_act8`` weights take 8-bit activations on path "vnni"."""
+    return int(lib.shmk_a8_min_rows())
+
+
+def quantize_rows_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 per 16 k, as the 8-bit GEMM stores it: (xu uint8 [m, padded_k(k)] = 128 + q,
+    scales fp32 [m, padded_k(k) / 16])."""
+    _check(x, "x", torch.float32, 2)
+    m, k = x.shape
+    xu = torch.empty(m, padded_k(k), dtype=torch.uint8)
+    scales = torch.empty(m, padded_k(k) // 16, dtype=torch.float32)
+    lib.shmk_quantize_rows_a8(_f32(x), m, k, ffi.cast("uint8_t *", xu.data_ptr()), _f32(scales))
+    return xu, scales
+
+
+def linear_a8(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    """``linear`` on 8-bit activations at any row count (``w.enable_act8()`` first): the VNNI
+    kernel where the CPU path has it, else the portable one, with the same bits."""
+    if w.wsums is None:
+        raise ValueError("linear_a8 needs w.enable_act8()")
+    _check(x, "x", torch.float32, 2)
+    if x.shape[1] != w.k:
+        raise ValueError(f"x has {x.shape[1]} features, weight expects k={w.k}")
+    out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    if x.shape[0]:
+        lib.shmk_linear_a8(_f32(x), x.shape[0], w._c, _f32(out))
+    return out
+
+
 def linear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., n] = x[..., k] @ W^T (+ bias) via dynamic int16 quantisation of x; fp32 in and out."""
+    """y[..., n] = x[..., k] @ W^T (+ bias) via dynamic int16 quantisation of x (8-bit for
+    ``enable_act8`` weights from ``a8_min_rows()`` rows on path "vnni"); fp32 in and out."""
     if not isinstance(w, PackedLinear):
         raise TypeError(f"w must be a PackedLinear, got {type(w).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:

@@ -163,6 +163,27 @@ def test_int8_decode_steps_match_reference():
         assert (o.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
 
 
+def test_int8_activations_match_reference():
+    """activation_dtype="int8": 8-bit activations in the linear calls of >= a8_min_rows() rows on
+    path vnni (prefill chunks here), int16 below; bounded like the default."""
+    config, weights = random_model()
+    ref = ReferenceModel(config, weights)
+    a8 = Int8Llama(config, weights, activation_dtype="int8")
+    a16 = Int8Llama(config, weights)
+    seqs = [list(range(3, 3 + n)) for n in (40, 21)]
+    chunks = [[32] + [1] * 8, [17] + [1] * 4]
+    got = paged_logits(a8, config, seqs, chunks)
+    for s, o in zip(seqs, got, strict=True):
+        e = ref.forward(torch.tensor(s))
+        assert rel_err(o, e) < 0.06
+        assert (o.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
+    plain = paged_logits(a16, config, seqs, chunks)
+    took_a8 = kernels.get_path() == "vnni"
+    assert torch.equal(got[0], plain[0]) != took_a8
+    with pytest.raises(ValueError, match="activation_dtype"):
+        Int8Llama(config, weights, activation_dtype="fp8")
+
+
 TEXT = EVAL_TEXTS[0]
 
 
@@ -194,6 +215,41 @@ def test_smollm2_teacher_forced_agreement_and_perplexity(smollm, smollm_ref, smo
     print(f"\ntop-1 agreement {agree:.4f}; ppl fp32 {ppl_ref:.3f} int8 {ppl_got:.3f}")
     assert agree >= 0.98
     assert abs(ppl_got / ppl_ref - 1) < 0.02
+
+
+@pytest.fixture(scope="module")
+def smollm_int8_act8(smollm):
+    return Int8Llama(smollm.config, smollm.weights, activation_dtype="int8")
+
+
+@pytest.mark.slow
+def test_smollm2_int8_activations_agreement_and_perplexity(smollm, smollm_ref, smollm_int8_act8):
+    """8-bit activations (opt-in) on the four evaluation texts, prefilled in chunks of 64 rows.
+    Measured on the VNNI path (2026-12-06): top-1 agreement with fp32 98.7 % pooled (int16 also
+    98.7 %; the test's text 97.0 % against 98.2 %), perplexity +0.2 to +2.0 %, mean KL to fp32
+    0.0025 (int16: 0.0012). Elsewhere the model runs int16 and passes the same bounds.
+    Greedy continuations are NOT all identical to fp32, which is why int16 stays the default:
+    the chat prompt of the test below starts "L'Etoile" instead of "The capital" (fp32's top two
+    first tokens are 0.08 apart; int16 keeps their order, 8-bit activations swap them)."""
+    agree = total = 0
+    kl = 0.0
+    for text in EVAL_TEXTS:
+        ids = smollm.tokenizer.encode(text)
+        expected = smollm_ref.forward(torch.tensor(ids))
+        got = paged_logits(
+            smollm_int8_act8, smollm.config, [ids], [[64] * (len(ids) // 64) + [len(ids) % 64]]
+        )[0]
+        agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
+        total += len(ids)
+        assert abs(perplexity(got, ids) / perplexity(expected, ids) - 1) < 0.025
+        kl += float(
+            torch.nn.functional.kl_div(
+                got.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="sum"
+            )
+        )
+    print(f"\nint8 activations: top-1 agreement {agree / total:.4f}, KL {kl / total:.5f}")
+    assert agree / total >= 0.98
+    assert kl / total < 0.004
 
 
 @pytest.mark.slow
