@@ -31,7 +31,7 @@ SHAPES = [
 MS = [1, 8, 32, 256]
 # "ours": the default weight (bf16 activations on AMX from 64 rows); "ours_int16": act_bf16=False,
 # the model's down projection (int16 activations everywhere; exact int8 tiles on AMX)
-# "ours_a8": enable_act8 (8-bit activations from kernels.a8_min_rows() rows on path vnni)
+# "ours_a8": enable_act8 (8-bit activations on path vnni)
 IMPLS = ["ours", "ours_int16", "ours_a8", "torch_fp32", "torch_int8_dyn"]
 
 

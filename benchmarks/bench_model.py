@@ -82,9 +82,9 @@ def peak_rss_mb() -> float:
     code = (
         "import resource\n"
         "from shm_engine.model.loader import load_model\n"
-        "from shm_engine.model.int8_model import Int8Llama\n"
+        "from shm_engine.model.int8_model import Int8Llama, calibration_ids\n"
         "m = load_model(None)\n"
-        "model = Int8Llama(m.config, m.weights)\n"
+        "model = Int8Llama(m.config, m.weights, calibration_ids=calibration_ids(m.tokenizer))\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -103,9 +103,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--activation-dtype",
-        default="int16",
-        choices=["int16", "int8"],
-        help="the int8 model's activations in big linear calls (int8: AVX512-VNNI only)",
+        default="auto",
+        choices=["auto", "int16", "int8"],
+        help="the int8 model's activations in its layers (int8: AVX512-VNNI only)",
     )
     ap.add_argument(
         "--gemm-ms", type=float, default=300.0, help="GEMM table: timing budget a point, ms"
@@ -116,7 +116,7 @@ def main() -> int:
 
     from benchmarks.bench_gemm import format_table, gemm_rows
     from benchmarks.machine import describe, machine_info
-    from shm_engine.model.int8_model import Int8Llama
+    from shm_engine.model.int8_model import Int8Llama, calibration_ids
     from shm_engine.model.loader import load_model
     from shm_engine.model.torch_model import TorchLlama
 
@@ -143,6 +143,7 @@ def main() -> int:
             loaded.weights,
             kv_cache_dtype=args.kv_cache_dtype,
             activation_dtype=args.activation_dtype,
+            calibration_ids=calibration_ids(loaded.tokenizer),
         )
     }
     if not args.skip_fp32:

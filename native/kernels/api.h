@@ -51,9 +51,9 @@ typedef struct {
      * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
      * those run on int8 tiles from 9 rows, with the same results: gemm_amx8.c) */
     int act_bf16;
-    /* NULL, or shmk_a8_weight_sums of this weight ([nb][kp/16][16] int16): then calls of >=
-     * shmk_a8_min_rows() rows on path vnni quantise the activations to 8 bits, a scale per 16 k
-     * (gemm_a8.c: ~1.6x the int16 kernel's MACs a cycle, at a cost in accuracy) */
+    /* NULL, or shmk_a8_weight_sums of this weight ([nb][kp/16][16] int16): then calls on path
+     * vnni quantise the activations to 8 bits, a scale per 16 k (gemm_a8.c: up to ~1.5x the
+     * int16 kernel's speed, at a cost in accuracy) */
     const int16_t *wsums;
 } shmk_linear_t;
 
@@ -71,7 +71,6 @@ void shmk_dequant_channels(const shmk_linear_t *w, const int64_t *ids, int64_t t
 void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 
 /* ---- W8 (group-32) x A8 (group-16) GEMM (gemm_a8.c), opt-in per weight ---- */
-int shmk_a8_min_rows(void);                         /* SHMK_A8_MIN_M */
 size_t shmk_a8_sums_count(int64_t n, int64_t k);    /* int16 elements of wsums */
 /* wsums[b][p][c] = -(sum of channel 16b + c's q over k 16p .. 16p + 15), from w's packed data */
 void shmk_a8_weight_sums(const shmk_linear_t *w, int16_t *wsums);
@@ -147,6 +146,10 @@ typedef struct {
     float *attn;                  /* [t][hq d] */
     float *gate_up;               /* [t][2 ffn] */
     float *act;                   /* [t][ffn] */
+    /* NULL, or [hidden + hq d + hidden + ffn]: raised to the max |x| per input channel this
+     * step feeds qkv, o, gate_up and down, in that order (calibration of the smoothing; NaN
+     * ignored) */
+    float *act_max;
 } shmk_step_t;
 
 /* hidden [t][hidden] is the residual stream, updated in place:

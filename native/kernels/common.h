@@ -19,8 +19,6 @@ enum { SHMK_PORTABLE = 0, SHMK_AVX2 = 1, SHMK_VNNI = 2, SHMK_AMX = 3 };
  * weight stream either way; model steps at 9-12 rows measured 8-12% faster than on VNNI (tie at
  * 8, VNNI ahead at 4) */
 #define SHMK_AMX8_MIN_M 9
-/* rows from which weights with wsums take 8-bit activations on path vnni (gemm_a8.c) */
-#define SHMK_A8_MIN_M 16
 
 /* Packed weight layout shared by gemm16.c (which documents it), gemm_amx.c and gemm_amx8.c. */
 #define GK 32            /* k per scale group */

@@ -1,7 +1,8 @@
 /* W8 (group-32) x A8 (group-16) GEMM: 8-bit activations for calls of many rows on AVX512-VNNI.
  *
- * Opt-in per weight: a shmk_linear_t with `wsums` set takes this kernel for calls of
- * >= SHMK_A8_MIN_M rows on path vnni (shmk_linear_impl); everything else stays on gemm16.c.
+ * Per weight: a shmk_linear_t with `wsums` set takes this kernel for every call on path vnni
+ * (shmk_linear_impl; every row count, so a row's result never depends on its batch); the rest
+ * stays on gemm16.c.
  * `vpdpbusd` multiplies 64 u8 x s8 pairs an instruction against `vpdpwssd`'s 32 int16 pairs,
  * and reads the packed quad rows as they lie (lane c = channel c's 4 k: no widening, no
  * lane-pair sums).  The price is accuracy: SmolLM2's teacher-forced KL to fp32 doubles
@@ -25,9 +26,8 @@
 #define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
 #define SPAN 16               /* k per activation scale */
+#define A8_PF_DIST 1024       /* gemm16.c's PF_DIST */
 #define A8_MIN_AMAX 0x1p-100f /* gemm16.c's QUANT_MIN_AMAX, for the same reason */
-
-int shmk_a8_min_rows(void) { return SHMK_A8_MIN_M; }
 
 size_t shmk_a8_sums_count(int64_t n, int64_t k) {
     return (size_t)(shmk_cdiv(n, NB) * NB) * (size_t)(shmk_padded_k(k) / SPAN);
@@ -170,9 +170,12 @@ INLINE VNNI_FN __m512i offset_start(const int16_t *ws) {
 }
 
 /* pf_next: prefetch the next unit's weights into L2 while this tile computes (the first row
- * tile of a unit; the later ones find the unit in cache): gemm16.c's vnni_kernel does the same */
+ * tile of a unit; the later ones find the unit in cache): gemm16.c's vnni_kernel does the same.
+ * inl: take the u8 offset back with sums made here (one more vpdpbusd a quad row and block, of
+ * 128 x the weights) instead of reading wsums: calls of few rows stream the weights from memory,
+ * where wsums would add 1/8 to the bytes (batch-1 decode 6 % slower); the same integers. */
 INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const int mr,
-                                const int nr, const int pf_next) {
+                                const int nr, const int pf_next, const int inl) {
     const int64_t G = c->G, kp = c->kp, P = c->P;
     const int8_t *wb0 = c->packed + blk * G * GBYTES, *wb1 = wb0 + G * GBYTES;
     const int16_t *ws0 = c->wsums + blk * P * NB, *ws1 = ws0 + P * NB;
@@ -190,13 +193,21 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
                 _mm256_loadu_si256((const __m256i *)(c->scales + ((blk + 1) * G + g) * NB)));
         for (int h = 0; h < GK / SPAN; h++) {
             const int64_t p = 2 * g + h;
-            const __m512i c0 = offset_start(ws0 + p * NB);
-            const __m512i c1 = nr == 2 ? offset_start(ws1 + p * NB) : c0;
-            __m512i d[A8_MR][2];
+            const __m512i zero = _mm512_setzero_si512(), k128 = _mm512_set1_epi8((char)0x80);
+            const __m512i c0 = inl ? zero : offset_start(ws0 + p * NB);
+            const __m512i c1 = inl ? zero : nr == 2 ? offset_start(ws1 + p * NB) : c0;
+            __m512i d[A8_MR][2], e0 = zero, e1 = zero; /* e: 128 x the span's weight sums */
             for (int r = 0; r < mr; r++) d[r][0] = c0, d[r][1] = c1;
 #pragma GCC unroll 4
             for (int q = 4 * h; q < 4 * h + 4; q++) {
-                if (pf_next) {
+                if (mr <= 2) {
+                    /* few rows: the weights stream from memory; gemm16.c's look-ahead (w0's
+                     * skips block blk+1, already streaming as w1, to the next unit's second) */
+                    const int64_t o = g * GBYTES + q * 64 + A8_PF_DIST;
+                    _mm_prefetch((const char *)wb0 + o + (o >= G * GBYTES ? 2 * G * GBYTES : 0),
+                                 _MM_HINT_T0);
+                    if (nr == 2) _mm_prefetch((const char *)w1 + q * 64 + A8_PF_DIST, _MM_HINT_T0);
+                } else if (pf_next) {
                     /* NOTE: past the last unit these addresses leave the weights; prefetches
                      * of unmapped memory are dropped, never fault. */
                     _mm_prefetch((const char *)w0 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
@@ -204,6 +215,10 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
                 }
                 const __m512i a = _mm512_loadu_si512(w0 + q * 64);
                 const __m512i b = nr == 2 ? _mm512_loadu_si512(w1 + q * 64) : a;
+                if (inl) {
+                    e0 = _mm512_dpbusd_epi32(e0, k128, a);
+                    if (nr == 2) e1 = _mm512_dpbusd_epi32(e1, k128, b);
+                }
                 for (int r = 0; r < mr; r++) {
                     int32_t v; /* row r's 4 activations of quad row q, in every lane */
                     memcpy(&v, x + r * kp + g * GK + 4 * q, 4);
@@ -213,6 +228,10 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
                 }
             }
             for (int r = 0; r < mr; r++) {
+                if (inl) {
+                    d[r][0] = _mm512_sub_epi32(d[r][0], e0);
+                    if (nr == 2) d[r][1] = _mm512_sub_epi32(d[r][1], e1);
+                }
                 const __m512 sxr = _mm512_set1_ps(sx[r * P + p]);
                 f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][0]), _mm512_mul_ps(s0, sxr),
                                           f[r][0]);
@@ -228,25 +247,37 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
     }
 }
 
-#define A8_ROWS(NR)                                                                        \
+#define A8_ROWS(NR, INL)                                                                   \
     do {                                                                                   \
         int64_t i = i0;                                                                    \
-        for (; i + A8_MR <= i1; i += A8_MR) vnni_kernel(c, blk, i, A8_MR, NR, i == i0);    \
+        for (; i + A8_MR <= i1; i += A8_MR)                                                \
+            vnni_kernel(c, blk, i, A8_MR, NR, i == i0, INL);                               \
         switch (i1 - i) {                                                                  \
-        case 3: vnni_kernel(c, blk, i, 3, NR, i == i0); break;                            \
-        case 2: vnni_kernel(c, blk, i, 2, NR, i == i0); break;                            \
-        case 1: vnni_kernel(c, blk, i, 1, NR, i == i0); break;                            \
+        case 3: vnni_kernel(c, blk, i, 3, NR, i == i0, INL); break;                       \
+        case 2: vnni_kernel(c, blk, i, 2, NR, 0, INL); break;                             \
+        case 1: vnni_kernel(c, blk, i, 1, NR, 0, INL); break;                             \
         default: break;                                                                    \
         }                                                                                  \
     } while (0)
 
+/* calls of up to this many rows make their weight sums inline (vnni_kernel's inl) */
+#define A8_INLINE_SUMS_M 4
+
 /* unit u = blocks 2u, 2u+1 (the last unit may hold one block) */
 VNNI_FN static void a8_tile_vnni(const a8_ctx *c, int64_t u, int64_t i0, int64_t i1) {
     const int64_t blk = 2 * u;
-    if (blk + 1 < c->nb)
-        A8_ROWS(2);
-    else
-        A8_ROWS(1);
+    const int two = blk + 1 < c->nb, inl = c->m <= A8_INLINE_SUMS_M;
+    if (inl) {
+        if (two)
+            A8_ROWS(2, 1);
+        else
+            A8_ROWS(1, 1);
+    } else {
+        if (two)
+            A8_ROWS(2, 0);
+        else
+            A8_ROWS(1, 0);
+    }
 }
 
 static void gemm_task(void *vctx, int64_t task, int tid) {

@@ -1,4 +1,5 @@
 /* One fused Llama decoder layer: ~10 kernels in a single native call (no Python in between). */
+#include <math.h>
 #include <string.h>
 
 #include "common.h"
@@ -7,22 +8,34 @@ static void lin(const shmk_linear_t *w, const float *x, int64_t t, float *y, int
     shmk_linear_impl(w, x, t, y, accumulate);
 }
 
+/* m[j] = max(m[j], |x[i][j]|) over the rows (NaN ignored: fmaxf) */
+static void record_max(const float *x, int64_t t, int64_t k, float *m) {
+    if (!m) return;
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t j = 0; j < k; j++) m[j] = fmaxf(m[j], fabsf(x[i * k + j]));
+}
+
 void shmk_llama_layer_forward(const shmk_layer_t *L, const shmk_step_t *S, float *hidden,
                               const shmk_kv_t *kv) {
-    const int64_t t = S->t, h = L->hidden, d = L->d;
+    const int64_t t = S->t, h = L->hidden, d = L->d, hqd = L->hq * d;
     if (t <= 0) return;
+    float *m = S->act_max;
     /* attention block */
     shmk_rmsnorm(hidden, NULL, L->input_norm, t, h, L->eps, S->normed);
+    record_max(S->normed, t, h, m);
     lin(&L->qkv, S->normed, t, S->qkv, 0);
     shmk_rope_qkv(S->qkv, S->positions, t, L->hq, L->hk, d, S->cos_sin, S->max_pos);
     shmk_write_kv_qkv(S->qkv, S->slots, t, L->hq, kv);
     shmk_attention_impl(S->qkv, (L->hq + 2 * L->hk) * d, kv, S->block_table, S->max_blocks,
                         S->seq_lens, S->query_start_loc, S->b, L->hq, S->scale, S->attn);
+    record_max(S->attn, t, hqd, m ? m + h : NULL);
     lin(&L->o, S->attn, t, hidden, 1); /* hidden += o_proj(attn) */
     /* MLP block */
     shmk_rmsnorm(hidden, NULL, L->post_norm, t, h, L->eps, S->normed);
+    record_max(S->normed, t, h, m ? m + h + hqd : NULL);
     lin(&L->gate_up, S->normed, t, S->gate_up, 0);
     shmk_silu_mul(S->gate_up, t, L->ffn, S->act);
+    record_max(S->act, t, L->ffn, m ? m + 2 * h + hqd : NULL);
     lin(&L->down, S->act, t, hidden, 1); /* hidden += down_proj(act) */
 }
 

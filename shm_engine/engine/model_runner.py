@@ -41,7 +41,7 @@ def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
 def build_model(config: EngineConfig, loaded: LoadedModel):
     """Build the int8 (native kernels) or fp32 (torch) paged model from loaded weights."""
     if config.dtype == "int8":
-        from shm_engine.model.int8_model import Int8Llama
+        from shm_engine.model.int8_model import Int8Llama, calibration_ids
 
         return Int8Llama(
             loaded.config,
@@ -49,6 +49,7 @@ def build_model(config: EngineConfig, loaded: LoadedModel):
             num_threads=config.resolved_threads(),
             kv_cache_dtype=_int8_kv_name(config),
             activation_dtype=config.activation_dtype,
+            calibration_ids=calibration_ids(loaded.tokenizer),
         )
     from shm_engine.model.torch_model import TorchLlama
 

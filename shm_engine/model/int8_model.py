@@ -13,16 +13,18 @@ head's own when the embeddings are tied, so the vocabulary-sized matrix is resid
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from shm_engine.model import kernels
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.config import ModelConfig
+from shm_engine.model.eval_texts import CALIBRATION_TEXT
 from shm_engine.model.hugepages import HugeArena
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype
 from shm_engine.model.loader import WeightSource
+from shm_engine.model.smoothing import LayerCalibrator, LayerWeights, smooth_layer
 
 
 def _trim_heap() -> None:
@@ -43,8 +45,15 @@ except (OSError, AttributeError):
     _LIBC = None
 
 
-# The activation formats of the layers' linear calls (Int8Llama's activation_dtype)
-ACTIVATION_DTYPES = ("int16", "int8")
+def calibration_ids(tokenizer) -> list[int] | None:  # noqa: ANN001 - a model Tokenizer
+    """The tokens Int8Llama calibrates its weight smoothing on (a fixed text, not one the model
+    tests evaluate); None without a tokenizer."""
+    return None if tokenizer is None else list(tokenizer.encode(CALIBRATION_TEXT))
+
+
+# The activation formats of the layers' linear calls (Int8Llama's activation_dtype); "auto" is
+# int8 where it is both fast and accurate enough: smoothed weights on path "vnni"
+ACTIVATION_DTYPES = ("auto", "int16", "int8")
 
 
 class Int8Llama:
@@ -54,8 +63,13 @@ class Int8Llama:
         weights: Mapping[str, torch.Tensor],
         num_threads: int = 0,
         kv_cache_dtype: str = "fp16",
-        activation_dtype: str = "int16",
+        activation_dtype: str = "auto",
+        calibration_ids: Sequence[int] | None = None,
     ) -> None:
+        """``calibration_ids``: tokens of a text (``calibration_ids(tokenizer)``) whose
+        activations calibrate SmoothQuant factors folded into each layer's weights at load
+        (model/smoothing.py; ~2x the layers' packing time); None packs the weights as they
+        are."""
         # NOTE: the native attention has no window. Within the window a sliding-window model
         # attends to everything anyway, so it runs exactly up to that length (the runner caps
         # max_model_len there; forward() refuses longer sequences).
@@ -67,12 +81,18 @@ class Int8Llama:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}")
         self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
-        # NOTE: "int8" activations (a scale per 16 k) run the layers' linear calls of
-        # >= kernels.a8_min_rows() rows (prefill, batched decode) on vpdpbusd, 1.2-1.5x the
-        # int16 kernel; they double the teacher-forced KL to fp32, so int16 stays the default
-        # (docs/kernels.md, "8-bit activations").  Only path "vnni" has that kernel.
+        # NOTE: "int8" activations (a scale per 16 k) run the layers' linear calls on
+        # vpdpbusd: 1.2-1.5x the int16 kernel from ~16 rows (prefill, batched decode), as fast
+        # below; every call, so a token's result does not depend on its batch.  Only path
+        # "vnni" has that kernel.  On unsmoothed weights they double
+        # the KL to fp32; on smoothed ones they are about as accurate as unsmoothed int16
+        # (docs/kernels.md, "8-bit activations"), so "auto" takes them only then.
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}")
+        self.smoothed = bool(calibration_ids)
+        if activation_dtype == "auto":
+            fast = self.smoothed and kernels.get_path() == "vnni"
+            activation_dtype = "int8" if fast else "int16"
         self.activation_dtype = activation_dtype
         check_kv_dtype(self.kv_dtype, config.head_dim)
         if num_threads:
@@ -98,12 +118,25 @@ class Int8Llama:
         self._ends = kernels.ModelEnds(
             self.embedding, self.final_norm, c.rms_norm_eps, self.lm_head
         )
-        self.layers = []
-        for i in range(c.num_layers):
-            self.layers.append(self._pack_layer(weights, i))
-            _trim_heap()
         self.cos_sin = kernels.rope_cos_sin(c.inv_freq(), c.max_position_embeddings)
         self.scale = c.head_dim**-0.5
+        calib: LayerCalibrator | None = None
+        self.layers = []
+        for i in range(c.num_layers):
+            lw = self._layer_weights(weights, i)
+            if self.smoothed:
+                probe = self._pack_layer(lw, probe=True)
+                if calib is None:
+                    ids = torch.tensor(list(calibration_ids), dtype=torch.int64)
+                    hidden = self.embedding.lookup(ids)
+                    calib = LayerCalibrator(hidden, probe, self.cos_sin, self.scale)
+                lw = smooth_layer(lw, calib.maxima(probe), c.num_heads, c.num_kv_heads, c.head_dim)
+            layer = self._pack_layer(lw)
+            if calib is not None:
+                calib.advance(layer)
+            self.layers.append(layer)
+            del lw
+            _trim_heap()
         self._scratch: kernels.LayerScratch | None = None
         self._stack: kernels.LlamaStack | None = None
 
@@ -125,20 +158,34 @@ class Int8Llama:
             n, k, lambda a, b: w.rows(name, a, b), arena=self._arena
         )
 
-    def _pack_layer(self, w: Mapping[str, torch.Tensor], i: int) -> kernels.LlamaLayer:
-        c = self.config
-        arena = self._arena
-
-        def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, **kw):
-            lin = kernels.PackedLinear.from_float(weight, bias, arena=arena, **kw)
-            return lin.enable_act8() if self.activation_dtype == "int8" else lin
-
+    def _layer_weights(self, w: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
         bias = None
-        if c.attention_bias:
-            bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
-        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        if self.config.attention_bias:
+            bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]).float()
+        return LayerWeights(
+            input_norm=w[p + "input_layernorm.weight"].float(),
+            post_norm=w[p + "post_attention_layernorm.weight"].float(),
+            qkv=torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]).float(),
+            qkv_bias=bias,
+            o=w[p + "self_attn.o_proj.weight"].float(),
+            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).float(),
+            down=w[p + "mlp.down_proj.weight"].float(),
+        )
+
+    def _pack_layer(self, lw: LayerWeights, probe: bool = False) -> kernels.LlamaLayer:
+        """The layer packed into the arena, or (``probe``) a heap copy on int16 activations on
+        every path, for calibration."""
+        c = self.config
+        arena = None if probe else self._arena
+        act8 = self.activation_dtype == "int8" and not probe
+
+        def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16: bool = True):
+            lin = kernels.PackedLinear.from_float(
+                weight, bias, act_bf16=act_bf16 and not probe, arena=arena
+            )
+            return lin.enable_act8() if act8 else lin
+
         return kernels.LlamaLayer(
             hidden=c.hidden_size,
             num_heads=c.num_heads,
@@ -146,15 +193,15 @@ class Int8Llama:
             head_dim=c.head_dim,
             ffn=c.intermediate_size,
             eps=c.rms_norm_eps,
-            input_norm=w[p + "input_layernorm.weight"],
-            post_norm=w[p + "post_attention_layernorm.weight"],
-            qkv=pack(qkv, bias),
-            o=pack(w[p + "self_attn.o_proj.weight"]),
-            gate_up=pack(gate_up),
+            input_norm=lw.input_norm,
+            post_norm=lw.post_norm,
+            qkv=pack(lw.qkv, lw.qkv_bias),
+            o=pack(lw.o),
+            gate_up=pack(lw.gate_up),
             # NOTE: int16 activations for down_proj even on AMX: its input (SiLU(gate) * up) is
             # heavy-tailed, and bf16 there cost SmolLM2 ~0.6 % teacher-forced top-1 agreement with
             # fp32 (97.6 %); bf16 into qkv, o, gate_up and the LM head cost none (98.2 %).
-            down=pack(w[p + "mlp.down_proj.weight"], act_bf16=False),
+            down=pack(lw.down, act_bf16=False),
         )
 
     @property

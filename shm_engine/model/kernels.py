@@ -257,8 +257,8 @@ class PackedLinear:
         self.wsums: torch.Tensor | None = None
 
     def enable_act8(self) -> PackedLinear:
-        """Let calls of >= ``a8_min_rows()`` rows on path "vnni" quantise the activations to
-        int8 with a scale per 16 k (~1.6x the int16 kernel's speed; less accurate:
+        """Let calls on path "vnni" quantise the activations to int8 with a scale per 16 k
+        (1.2-1.5x the int16 kernel's speed from ~16 rows, as fast below; less accurate:
         docs/kernels.md). Stores the weight sums that take back the kernel's u8 offset
         (1/8 byte a weight). Layers built from this weight afterwards inherit it."""
         if self.wsums is None:
@@ -424,11 +424,6 @@ def group_dots(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     return dots
 
 
-def a8_min_rows() -> int:
-    """Rows from which ``enable_act8`` weights take 8-bit activations on path "vnni"."""
-    return int(lib.shmk_a8_min_rows())
-
-
 def quantize_rows_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 per 16 k, as the 8-bit GEMM stores it: (xu uint8 [m, padded_k(k)] = 128 + q,
     scales fp32 [m, padded_k(k) / 16])."""
@@ -456,7 +451,7 @@ def linear_a8(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., n] = x[..., k] @ W^T (+ bias) via dynamic int16 quantisation of x (8-bit for
-    ``enable_act8`` weights from ``a8_min_rows()`` rows on path "vnni"); fp32 in and out."""
+    ``enable_act8`` weights on path "vnni"); fp32 in and out."""
     if not isinstance(w, PackedLinear):
         raise TypeError(f"w must be a PackedLinear, got {type(w).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -815,7 +810,10 @@ class LayerStep:
         block_size: int,
         scale: float,
         scratch: LayerScratch,
+        act_max: torch.Tensor | None = None,
     ):
+        """``act_max``: fp32 [2 hidden + heads x head_dim + ffn], raised by each layer run to
+        the max |x| per input channel of its qkv, o, gate_up and down (calibration)."""
         pos = _as_i64(positions, "positions")
         t = pos.shape[0]
         if t > scratch.max_tokens:
@@ -839,6 +837,12 @@ class LayerStep:
         c.scale = float(scale)
         c.normed, c.qkv, c.attn = _f32(scratch.normed), _f32(scratch.qkv), _f32(scratch.attn)
         c.gate_up, c.act = _f32(scratch.gate_up), _f32(scratch.act)
+        if act_max is not None:
+            h, hq, _, d, f = scratch.dims
+            _check(act_max, "act_max", torch.float32, 1)
+            _shape(act_max, "act_max", (2 * h + hq * d + f,))
+            c.act_max = _f32(act_max)
+            self._keep += (act_max,)
         _check_step(c, self.num_blocks, self.block_size)
         self._c = c
 
