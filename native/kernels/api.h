@@ -51,10 +51,9 @@ typedef struct {
      * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
      * those run on int8 tiles from 9 rows, with the same results: gemm_amx8.c) */
     int act_bf16;
-    /* NULL, or shmk_a8_weight_sums of this weight ([nb][kp/16][16] int16): then calls on path
-     * vnni quantise the activations to 8 bits, a scale per 16 k (gemm_a8.c: up to ~1.5x the
-     * int16 kernel's speed, at a cost in accuracy) */
-    const int16_t *wsums;
+    /* 1: calls on path vnni quantise the activations to 8 bits, a scale per 16 k (gemm_a8.c: up
+     * to ~1.5x the int16 kernel's speed, at a cost in accuracy) */
+    int act8;
 } shmk_linear_t;
 
 /* rows from which act_bf16 weights take the bf16 AMX kernel (SHMK_AMX_MIN_M) */
@@ -71,12 +70,9 @@ void shmk_dequant_channels(const shmk_linear_t *w, const int64_t *ids, int64_t t
 void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 
 /* ---- W8 (group-32) x A8 (group-16) GEMM (gemm_a8.c), opt-in per weight ---- */
-size_t shmk_a8_sums_count(int64_t n, int64_t k);    /* int16 elements of wsums */
-/* wsums[b][p][c] = -(sum of channel 16b + c's q over k 16p .. 16p + 15), from w's packed data */
-void shmk_a8_weight_sums(const shmk_linear_t *w, int16_t *wsums);
 /* activations: xu[m][kp] = 128 + int8 per span of 16 k (zero padded), scales[m][kp/16] */
 void shmk_quantize_rows_a8(const float *x, int64_t m, int64_t k, uint8_t *xu, float *scales);
-/* y[m,n] = x @ dequant(W)^T (+ bias) on 8-bit activations at any m (w->wsums must be set): the
+/* y[m,n] = x @ dequant(W)^T (+ bias) on 8-bit activations at any m (whatever w->act8 says): the
  * VNNI kernel on paths vnni / amx, else the portable one (the same bits) */
 void shmk_linear_a8(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 

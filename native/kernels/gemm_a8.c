@@ -1,6 +1,6 @@
 /* W8 (group-32) x A8 (group-16) GEMM: 8-bit activations for calls of many rows on AVX512-VNNI.
  *
- * Per weight: a shmk_linear_t with `wsums` set takes this kernel for every call on path vnni
+ * Per weight: a shmk_linear_t with `act8` set takes this kernel for every call on path vnni
  * (shmk_linear_impl; every row count, so a row's result never depends on its batch); the rest
  * stays on gemm16.c.
  * `vpdpbusd` multiplies 64 u8 x s8 pairs an instruction against `vpdpwssd`'s 32 int16 pairs,
@@ -13,8 +13,8 @@
  *     sx[i][p] = max|x| / 127, xq = rint(x * (127 / max|x|)) in [-127, 127]; NaN elements are
  *     ignored by the max and quantise to 0; a span with max|x| < 2^-100 is zeros with sx = 0;
  *     stored as u8 = xq + 128, because vpdpbusd's first operand is unsigned
- *   wsums[b][p][c] = -sum_{k in p} q[16b + c][k] (int16, |.| <= 2032; shmk_a8_weight_sums)
- *   dot[i][j][p] = 128 wsums + sum_{k in p} u8 * q = sum_{k in p} xq * q      exact int32
+ *   e[j][p] = 128 sum_{k in p} q[j][k]   (vpdpbusd of 128s with the weights, made per call)
+ *   dot[i][j][p] = sum_{k in p} u8 * q - e[j][p] = sum_{k in p} xq * q        exact int32
  *   acc = 0; for p in order: acc = fmaf((float)dot, fp16(s)[j][p / 2] * sx[i][p], acc)
  *   y[i][j] = acc * scale_mult (+ bias[j]) (+ y[i][j] when accumulating) */
 #include <immintrin.h>
@@ -28,27 +28,6 @@
 #define SPAN 16               /* k per activation scale */
 #define A8_PF_DIST 1024       /* gemm16.c's PF_DIST */
 #define A8_MIN_AMAX 0x1p-100f /* gemm16.c's QUANT_MIN_AMAX, for the same reason */
-
-size_t shmk_a8_sums_count(int64_t n, int64_t k) {
-    return (size_t)(shmk_cdiv(n, NB) * NB) * (size_t)(shmk_padded_k(k) / SPAN);
-}
-
-void shmk_a8_weight_sums(const shmk_linear_t *w, int16_t *out) {
-    const int64_t G = shmk_padded_k(w->k) / GK, nb = shmk_cdiv(w->n, NB);
-    for (int64_t b = 0; b < nb; b++)
-        for (int64_t g = 0; g < G; g++) {
-            const int8_t *grp = w->packed + (b * G + g) * GBYTES;
-            for (int h = 0; h < GK / SPAN; h++) {
-                int16_t *o = out + ((b * G + g) * (GK / SPAN) + h) * NB;
-                for (int c = 0; c < NB; c++) {
-                    int s = 0;
-                    for (int q = 4 * h; q < 4 * h + 4; q++) /* quad rows of this span */
-                        for (int t = 0; t < 4; t++) s += grp[q * 4 * NB + 4 * c + t];
-                    o[c] = (int16_t)-s;
-                }
-            }
-        }
-}
 
 /* ------------------------------------------------------------------ activation quantisation */
 static void quant_span_portable(const float *x, int64_t len, uint8_t *q, float *s) {
@@ -110,7 +89,6 @@ typedef struct {
     int64_t m, k, kp, G, P, n, nb;
     const int8_t *packed;
     const uint16_t *scales;
-    const int16_t *wsums;
     float mult;
     const float *bias;
     float *y;
@@ -128,18 +106,18 @@ static inline void store_one(const a8_ctx *c, int64_t i, int64_t j, float acc) {
 
 static void tile_portable(const a8_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
     const int8_t *wb = c->packed + blk * c->G * GBYTES;
-    const int16_t *ws = c->wsums + blk * c->P * NB;
     for (int64_t i = i0; i < i1; i++) {
         const uint8_t *x = c->xu + i * c->kp;
         float acc[NB] = {0};
         for (int64_t p = 0; p < c->P; p++) {
             const int64_t g = p / 2;
             const int8_t *w = wb + g * GBYTES;
-            int32_t d[NB];
-            for (int ch = 0; ch < NB; ch++) d[ch] = 128 * (int32_t)ws[p * NB + ch];
+            int32_t d[NB] = {0};
             for (int kk = (int)(p % 2) * SPAN; kk < (int)(p % 2) * SPAN + SPAN; kk++)
-                for (int ch = 0; ch < NB; ch++)
-                    d[ch] += (int32_t)x[g * GK + kk] * w[(kk / 4) * 4 * NB + 4 * ch + (kk & 3)];
+                for (int ch = 0; ch < NB; ch++) {
+                    const int32_t wq = w[(kk / 4) * 4 * NB + 4 * ch + (kk & 3)];
+                    d[ch] += ((int32_t)x[g * GK + kk] - 128) * wq; /* the u8 offset back */
+                }
             const uint16_t *s = c->scales + (blk * c->G + g) * NB;
             const float sxp = c->sx[i * c->P + p];
             for (int ch = 0; ch < NB; ch++)
@@ -164,21 +142,35 @@ INLINE VNNI_FN void vnni_store(const a8_ctx *c, int64_t blk, int64_t i, __m512 f
     _mm512_mask_storeu_ps(y, mask, v);
 }
 
-/* 128 x a span's wsums, the integer accumulators' start (takes the u8 offset back) */
-INLINE VNNI_FN __m512i offset_start(const int16_t *ws) {
-    return _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)ws)), 7);
+/* e[b][p][16] = 128 x the weight sums of span p for the unit's blocks (nr of them): what the
+ * u8 activations' offset adds to every dot.  NOTE: made once per unit and task (each task's
+ * row tiles reuse it) instead of stored at load: 1/8 byte a weight (13 MB for SmolLM2) had
+ * pushed the loading process's peak RSS past 500 MB, and one extra pass over a unit per 24
+ * rows costs ~4 % where a stored copy cost nothing. */
+INLINE VNNI_FN void unit_sums(const a8_ctx *c, int64_t blk, int nr, int32_t *e) {
+    const __m512i k128 = _mm512_set1_epi8((char)0x80);
+    for (int b = 0; b < nr; b++) {
+        const int8_t *wb = c->packed + (blk + b) * c->G * GBYTES;
+        for (int64_t p = 0; p < c->P; p++) {
+            const int8_t *w = wb + (p / 2) * GBYTES + (p % 2) * 4 * 64;
+            __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, _mm512_loadu_si512(w));
+            for (int q = 1; q < 4; q++)
+                acc = _mm512_dpbusd_epi32(acc, k128, _mm512_loadu_si512(w + q * 64));
+            _mm512_storeu_si512((void *)(e + (b * c->P + p) * NB), acc);
+        }
+    }
 }
 
 /* pf_next: prefetch the next unit's weights into L2 while this tile computes (the first row
  * tile of a unit; the later ones find the unit in cache): gemm16.c's vnni_kernel does the same.
- * inl: take the u8 offset back with sums made here (one more vpdpbusd a quad row and block, of
- * 128 x the weights) instead of reading wsums: calls of few rows stream the weights from memory,
- * where wsums would add 1/8 to the bytes (batch-1 decode 6 % slower); the same integers. */
+ * inl: take the u8 offset back with sums made here, one more vpdpbusd a quad row and block
+ * (calls of few rows, which stream the weights from memory once); else from the unit's e
+ * (unit_sums).  The same integers either way. */
 INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const int mr,
-                                const int nr, const int pf_next, const int inl) {
+                                const int nr, const int pf_next, const int inl,
+                                const int32_t *e) {
     const int64_t G = c->G, kp = c->kp, P = c->P;
     const int8_t *wb0 = c->packed + blk * G * GBYTES, *wb1 = wb0 + G * GBYTES;
-    const int16_t *ws0 = c->wsums + blk * P * NB, *ws1 = ws0 + P * NB;
     const uint8_t *x = c->xu + i0 * kp;
     const float *sx = c->sx + i0 * P;
     __m512 f[A8_MR][2];
@@ -194,8 +186,12 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
         for (int h = 0; h < GK / SPAN; h++) {
             const int64_t p = 2 * g + h;
             const __m512i zero = _mm512_setzero_si512(), k128 = _mm512_set1_epi8((char)0x80);
-            const __m512i c0 = inl ? zero : offset_start(ws0 + p * NB);
-            const __m512i c1 = inl ? zero : nr == 2 ? offset_start(ws1 + p * NB) : c0;
+            /* NOTE: 0 - e, exact: |e| <= 128 x 16 x 127 */
+            const __m512i c0 =
+                inl ? zero : _mm512_sub_epi32(zero, _mm512_loadu_si512(e + p * NB));
+            const __m512i c1 = inl || nr == 1
+                                   ? c0
+                                   : _mm512_sub_epi32(zero, _mm512_loadu_si512(e + (P + p) * NB));
             __m512i d[A8_MR][2], e0 = zero, e1 = zero; /* e: 128 x the span's weight sums */
             for (int r = 0; r < mr; r++) d[r][0] = c0, d[r][1] = c1;
 #pragma GCC unroll 4
@@ -251,11 +247,11 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
     do {                                                                                   \
         int64_t i = i0;                                                                    \
         for (; i + A8_MR <= i1; i += A8_MR)                                                \
-            vnni_kernel(c, blk, i, A8_MR, NR, i == i0, INL);                               \
+            vnni_kernel(c, blk, i, A8_MR, NR, i == i0, INL, e);                            \
         switch (i1 - i) {                                                                  \
-        case 3: vnni_kernel(c, blk, i, 3, NR, i == i0, INL); break;                       \
-        case 2: vnni_kernel(c, blk, i, 2, NR, 0, INL); break;                             \
-        case 1: vnni_kernel(c, blk, i, 1, NR, 0, INL); break;                             \
+        case 3: vnni_kernel(c, blk, i, 3, NR, i == i0, INL, e); break;                    \
+        case 2: vnni_kernel(c, blk, i, 2, NR, 0, INL, e); break;                          \
+        case 1: vnni_kernel(c, blk, i, 1, NR, 0, INL, e); break;                          \
         default: break;                                                                    \
         }                                                                                  \
     } while (0)
@@ -267,6 +263,11 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
 VNNI_FN static void a8_tile_vnni(const a8_ctx *c, int64_t u, int64_t i0, int64_t i1) {
     const int64_t blk = 2 * u;
     const int two = blk + 1 < c->nb, inl = c->m <= A8_INLINE_SUMS_M;
+    int32_t *e = NULL;
+    if (!inl) {
+        e = shmk_scratch(4, (size_t)(2 * c->P * NB) * sizeof(int32_t));
+        unit_sums(c, blk, two ? 2 : 1, e);
+    }
     if (inl) {
         if (two)
             A8_ROWS(2, 1);
@@ -315,7 +316,7 @@ static void linear_a8(int path, const shmk_linear_t *w, const float *x, int64_t 
     c.path = path >= SHMK_VNNI ? SHMK_VNNI : SHMK_PORTABLE;
     c.m = m, c.k = w->k, c.kp = shmk_padded_k(w->k), c.G = c.kp / GK, c.P = c.kp / SPAN;
     c.n = w->n, c.nb = shmk_cdiv(w->n, NB);
-    c.packed = w->packed, c.scales = w->scales, c.wsums = w->wsums, c.mult = w->scale_mult;
+    c.packed = w->packed, c.scales = w->scales, c.mult = w->scale_mult;
     c.bias = w->bias, c.y = y, c.accumulate = accumulate, c.x = x;
     c.xu = shmk_scratch(0, (size_t)(m * c.kp));
     c.sx = shmk_scratch(1, (size_t)(m * c.P) * sizeof(float));

@@ -130,7 +130,9 @@ class Int8Llama:
                     ids = torch.tensor(list(calibration_ids), dtype=torch.int64)
                     hidden = self.embedding.lookup(ids)
                     calib = LayerCalibrator(hidden, probe, self.cos_sin, self.scale)
-                lw = smooth_layer(lw, calib.maxima(probe), c.num_heads, c.num_kv_heads, c.head_dim)
+                act_max = calib.maxima(probe)
+                del probe  # NOTE: before the real packing: the load's peak RSS is a layer's
+                smooth_layer(lw, act_max, c.num_heads, c.num_kv_heads, c.head_dim)
             layer = self._pack_layer(lw)
             if calib is not None:
                 calib.advance(layer)
@@ -159,18 +161,27 @@ class Int8Llama:
         )
 
     def _layer_weights(self, w: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
+        """The layer's fp32 tensors; when smoothing, each its own copy (smooth_layer works in
+        place)."""
         p = f"model.layers.{i}."
+
+        def own(name: str) -> torch.Tensor:
+            return w[p + name].to(torch.float32, copy=self.smoothed)
+
+        def cat(names: list[str]) -> torch.Tensor:
+            return torch.cat([w[p + n] for n in names]).to(torch.float32)
+
         bias = None
         if self.config.attention_bias:
-            bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]).float()
+            bias = cat([f"self_attn.{n}_proj.bias" for n in "qkv"])
         return LayerWeights(
-            input_norm=w[p + "input_layernorm.weight"].float(),
-            post_norm=w[p + "post_attention_layernorm.weight"].float(),
-            qkv=torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]).float(),
+            input_norm=own("input_layernorm.weight"),
+            post_norm=own("post_attention_layernorm.weight"),
+            qkv=cat([f"self_attn.{n}_proj.weight" for n in "qkv"]),
             qkv_bias=bias,
-            o=w[p + "self_attn.o_proj.weight"].float(),
-            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).float(),
-            down=w[p + "mlp.down_proj.weight"].float(),
+            o=own("self_attn.o_proj.weight"),
+            gate_up=cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+            down=own("mlp.down_proj.weight"),
         )
 
     def _pack_layer(self, lw: LayerWeights, probe: bool = False) -> kernels.LlamaLayer:

@@ -224,7 +224,7 @@ class PackedLinear:
     """
 
     __slots__ = (
-        "n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16", "wsums",
+        "n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16", "act8",
         "_c",
     )  # fmt: skip
 
@@ -254,17 +254,14 @@ class PackedLinear:
         c.scale_mult = float(scale_mult)
         c.bias = _f32(bias) if bias is not None else ffi.NULL
         self._c = c
-        self.wsums: torch.Tensor | None = None
+        self.act8 = False
 
     def enable_act8(self) -> PackedLinear:
         """Let calls on path "vnni" quantise the activations to int8 with a scale per 16 k
         (1.2-1.5x the int16 kernel's speed from ~16 rows, as fast below; less accurate:
-        docs/kernels.md). Stores the weight sums that take back the kernel's u8 offset
-        (1/8 byte a weight). Layers built from this weight afterwards inherit it."""
-        if self.wsums is None:
-            self.wsums = torch.empty(int(lib.shmk_a8_sums_count(self.n, self.k)), dtype=torch.int16)
-            lib.shmk_a8_weight_sums(self._c, _i16(self.wsums))
-            self._c.wsums = _i16(self.wsums)
+        docs/kernels.md). Layers built from this weight afterwards inherit it."""
+        self.act8 = True
+        self._c.act8 = 1
         return self
 
     @staticmethod
@@ -365,7 +362,6 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         extra = self.bias.numel() * 4 if self.bias is not None else 0
-        extra += self.wsums.numel() * 2 if self.wsums is not None else 0
         return self.packed.numel() + self.scales.numel() * 2 + extra
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -436,10 +432,8 @@ def quantize_rows_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear_a8(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
-    """``linear`` on 8-bit activations at any row count (``w.enable_act8()`` first): the VNNI
-    kernel where the CPU path has it, else the portable one, with the same bits."""
-    if w.wsums is None:
-        raise ValueError("linear_a8 needs w.enable_act8()")
+    """``linear`` on 8-bit activations whatever ``w.act8`` says: the VNNI kernel where the CPU
+    path has it, else the portable one, with the same bits."""
     _check(x, "x", torch.float32, 2)
     if x.shape[1] != w.k:
         raise ValueError(f"x has {x.shape[1]} features, weight expects k={w.k}")

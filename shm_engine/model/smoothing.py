@@ -17,7 +17,7 @@ on the unsmoothed int16 kernels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -53,9 +53,10 @@ def smooth_layer(
     num_kv_heads: int,
     head_dim: int,
     alpha: float = ALPHA,
-) -> LayerWeights:
-    """The layer with each linear's input smoothed, given ``act_max`` = the max |x| per input
-    channel of qkv, o, gate_up and down in one vector (LayerStep's act_max layout)."""
+) -> None:
+    """Smooth each linear's input, given ``act_max`` = the max |x| per input channel of qkv, o,
+    gate_up and down in one vector (LayerStep's act_max layout). In place: ``lw``'s tensors
+    must be its own (the load's peak RSS has no room for a second copy of a layer in fp32)."""
     h = lw.input_norm.numel()
     hqd, hkd, ffn = num_heads * head_dim, num_kv_heads * head_dim, lw.down.shape[1]
     x_qkv, x_o, x_gu, x_down = act_max.split([h, hqd, h, ffn])
@@ -74,21 +75,16 @@ def smooth_layer(
 
     # NOTE: every s comes from the unmodified weights above; the products below compose
     # (qkv's v rows / s_kv and columns x s_qkv; gate_up's up rows / s_down and columns x s_gu).
-    rows_qkv = torch.ones(hqd + 2 * hkd)
-    rows_qkv[hqd + hkd :] = 1 / s_kv
-    rows_gu = torch.ones(2 * ffn)
-    rows_gu[ffn:] = 1 / s_down
-    bias = lw.qkv_bias * rows_qkv if lw.qkv_bias is not None else None
-    return replace(
-        lw,
-        input_norm=lw.input_norm / s_qkv,
-        post_norm=lw.post_norm / s_gu,
-        qkv=lw.qkv * rows_qkv[:, None] * s_qkv[None, :],
-        qkv_bias=bias,
-        o=lw.o * s_o[None, :],
-        gate_up=lw.gate_up * rows_gu[:, None] * s_gu[None, :],
-        down=lw.down * s_down[None, :],
-    )
+    lw.input_norm.div_(s_qkv)
+    lw.post_norm.div_(s_gu)
+    lw.qkv.mul_(s_qkv[None, :])
+    lw.qkv[hqd + hkd :].div_(s_kv[:, None])
+    if lw.qkv_bias is not None:
+        lw.qkv_bias[hqd + hkd :].div_(s_kv)
+    lw.o.mul_(s_o[None, :])
+    lw.gate_up.mul_(s_gu[None, :])
+    lw.gate_up[ffn:].div_(s_down[:, None])
+    lw.down.mul_(s_down[None, :])
 
 
 class LayerCalibrator:

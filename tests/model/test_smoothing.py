@@ -25,15 +25,16 @@ def model(**overrides):
 
 
 def layer_weights(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    """Copies (smooth_layer works in place)."""
     p = f"model.layers.{i}."
     return LayerWeights(
-        input_norm=w[p + "input_layernorm.weight"],
-        post_norm=w[p + "post_attention_layernorm.weight"],
+        input_norm=w[p + "input_layernorm.weight"].clone(),
+        post_norm=w[p + "post_attention_layernorm.weight"].clone(),
         qkv=torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
         qkv_bias=torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]),
-        o=w[p + "self_attn.o_proj.weight"],
+        o=w[p + "self_attn.o_proj.weight"].clone(),
         gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-        down=w[p + "mlp.down_proj.weight"],
+        down=w[p + "mlp.down_proj.weight"].clone(),
     )
 
 
@@ -59,10 +60,8 @@ def test_smoothing_leaves_the_fp32_model_unchanged():
     h, hqd, f = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
     for i in range(config.num_layers):
         act_max = torch.rand(2 * h + hqd + f, generator=g) * 10 + 0.01
-        lw = smooth_layer(
-            layer_weights(weights, i), act_max, config.num_heads, config.num_kv_heads,
-            config.head_dim,
-        )  # fmt: skip
+        lw = layer_weights(weights, i)
+        smooth_layer(lw, act_max, config.num_heads, config.num_kv_heads, config.head_dim)
         unfuse(smoothed, i, lw, config)
     assert not torch.equal(smoothed["model.layers.0.self_attn.o_proj.weight"],
                            weights["model.layers.0.self_attn.o_proj.weight"])  # fmt: skip
@@ -132,4 +131,4 @@ def test_auto_activations_are_int8_only_smoothed_on_vnni():
     auto = Int8Llama(config, weights, calibration_ids=ids).activation_dtype
     assert auto == ("int8" if kernels.get_path() == "vnni" else "int16")
     forced = Int8Llama(config, weights, activation_dtype="int8")
-    assert forced.activation_dtype == "int8" and forced.layers[0].qkv.wsums is not None
+    assert forced.activation_dtype == "int8" and forced.layers[0].qkv.act8
