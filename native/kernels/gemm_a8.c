@@ -1,19 +1,22 @@
-/* W8 (group-32) x A8 (group-16) GEMM: 8-bit activations for calls of many rows on AVX512-VNNI.
+/* W8 (group-32) x A8 (group-16) GEMM: 8-bit activations on AVX512-VNNI.
  *
  * Per weight: a shmk_linear_t with `act8` set takes this kernel for every call on path vnni
  * (shmk_linear_impl; every row count, so a row's result never depends on its batch); the rest
  * stays on gemm16.c.
  * `vpdpbusd` multiplies 64 u8 x s8 pairs an instruction against `vpdpwssd`'s 32 int16 pairs,
  * and reads the packed quad rows as they lie (lane c = channel c's 4 k: no widening, no
- * lane-pair sums).  The price is accuracy: SmolLM2's teacher-forced KL to fp32 doubles
- * (docs/kernels.md, "8-bit activations"), so the default stays int16.
+ * lane-pair sums).  The price is accuracy: on SmolLM2's unsmoothed weights the teacher-forced
+ * KL to fp32 doubles; on weights smoothed at load (model/smoothing.py) it is the unsmoothed
+ * int16 kernel's, and that is when the model takes it by default (docs/kernels.md, "8-bit
+ * activations").
  *
  * Math (the weights are gemm16.c's, unchanged; portable and VNNI agree bit for bit):
  *   activations, per row i and span p of 16 consecutive k (zeros past k):
  *     sx[i][p] = max|x| / 127, xq = rint(x * (127 / max|x|)) in [-127, 127]; NaN elements are
  *     ignored by the max and quantise to 0; a span with max|x| < 2^-100 is zeros with sx = 0;
  *     stored as u8 = xq + 128, because vpdpbusd's first operand is unsigned
- *   e[j][p] = 128 sum_{k in p} q[j][k]   (vpdpbusd of 128s with the weights, made per call)
+ *   e[j][p] = 128 sum_{k in p} q[j][k]   (vpdpbusd of 128s with the weights, made per call:
+ *                                          unit_sums, or inline for few rows)
  *   dot[i][j][p] = sum_{k in p} u8 * q - e[j][p] = sum_{k in p} xq * q        exact int32
  *   acc = 0; for p in order: acc = fmaf((float)dot, fp16(s)[j][p / 2] * sx[i][p], acc)
  *   y[i][j] = acc * scale_mult (+ bias[j]) (+ y[i][j] when accumulating) */
