@@ -84,13 +84,11 @@ def ipc_cost_per_message(outputs) -> float:
 def runner_alone_tok_s(batch: int, context: int, steps: int) -> float:
     """Int8Llama decode on a fixed batch in this process: the ceiling for the engine."""
     from benchmarks.bench_model import decode_tok_s
-    from shm_engine.model.int8_model import Int8Llama, calibration_ids
+    from shm_engine.model.int8_model import Int8Llama
     from shm_engine.model.loader import load_model
 
     loaded = load_model(None)
-    model = Int8Llama(
-        loaded.config, loaded.weights, calibration_ids=calibration_ids(loaded.tokenizer)
-    )
+    model = Int8Llama(loaded.config, loaded.weights)
     return decode_tok_s(model, loaded.config, batch, steps, context)
 
 

@@ -82,9 +82,9 @@ def peak_rss_mb() -> float:
     code = (
         "import resource\n"
         "from shm_engine.model.loader import load_model\n"
-        "from shm_engine.model.int8_model import Int8Llama, calibration_ids\n"
+        "from shm_engine.model.int8_model import Int8Llama\n"
         "m = load_model(None)\n"
-        "model = Int8Llama(m.config, m.weights, calibration_ids=calibration_ids(m.tokenizer))\n"
+        "model = Int8Llama(m.config, m.weights)\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -103,8 +103,8 @@ def main() -> int:
     )
     ap.add_argument(
         "--activation-dtype",
-        default="auto",
-        choices=["auto", "int16", "int8"],
+        default="int16",
+        choices=["int16", "int8"],
         help="the int8 model's activations in its layers (int8: AVX512-VNNI only)",
     )
     ap.add_argument(
@@ -143,7 +143,10 @@ def main() -> int:
             loaded.weights,
             kv_cache_dtype=args.kv_cache_dtype,
             activation_dtype=args.activation_dtype,
-            calibration_ids=calibration_ids(loaded.tokenizer),
+            # as the engine builds it (model_runner.build_model)
+            calibration_ids=(
+                calibration_ids(loaded.tokenizer) if args.activation_dtype == "int8" else None
+            ),
         )
     }
     if not args.skip_fp32:

@@ -100,7 +100,6 @@ static uint16_t f2h(float f) { /* f >= 0; values below the fp16 normal range flu
     return (uint16_t)((E << 10) | mi);
 }
 
-
 /* ------------------------------------------------------------------ packing */
 static inline int8_t *wq_at(int8_t *p, int64_t G, int64_t j, int64_t kk) {
     int64_t b = j / NB, c = j % NB, g = kk / GK, r = kk % GK;

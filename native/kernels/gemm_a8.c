@@ -6,9 +6,9 @@
  * `vpdpbusd` multiplies 64 u8 x s8 pairs an instruction against `vpdpwssd`'s 32 int16 pairs,
  * and reads the packed quad rows as they lie (lane c = channel c's 4 k: no widening, no
  * lane-pair sums).  The price is accuracy: on SmolLM2's unsmoothed weights the teacher-forced
- * KL to fp32 doubles; on weights smoothed at load (model/smoothing.py) it is the unsmoothed
- * int16 kernel's, and that is when the model takes it by default (docs/kernels.md, "8-bit
- * activations").
+ * KL to fp32 doubles; on weights smoothed at load (model/smoothing.py) it is about the
+ * unsmoothed int16 kernel's, which is how the engine's opt-in activation_dtype="int8" runs it
+ * (docs/kernels.md, "8-bit activations").
  *
  * Math (the weights are gemm16.c's, unchanged; portable and VNNI agree bit for bit):
  *   activations, per row i and span p of 16 consecutive k (zeros past k):

@@ -30,10 +30,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "int8"  # "int8" (VNNI kernels) or "float32" (torch reference path)
     # "auto" (the model's: fp16 for int8, fp32 for float32), "fp16" or "int8" (int8 weights only)
     kv_cache_dtype: str = "auto"
-    # the int8 model's activations in its layers: "int8" (AVX512-VNNI: faster prefill and
-    # batched decode), "int16" (more accurate) or "auto" (int8 where the CPU has the kernel;
-    # docs/kernels.md, "8-bit activations")
-    activation_dtype: str = "auto"
+    # the int8 model's activations in its layers: "int16", or "int8" (faster prefill and batched
+    # decode on kernel path "vnni", i.e. AVX512-VNNI without AMX; int16 on the other paths; less
+    # accurate: docs/kernels.md, "8-bit activations")
+    activation_dtype: str = "int16"
     log_stats: bool = True
 
     def __post_init__(self) -> None:
@@ -65,11 +65,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.dtype == "float32" and self.kv_cache_dtype != "auto":
             raise ValueError("the float32 reference path keeps an fp32 KV cache")
-        if self.activation_dtype not in ("auto", "int16", "int8"):
+        if self.activation_dtype not in ("int16", "int8"):
             raise ValueError(
-                f"activation_dtype must be 'auto', 'int16' or 'int8', got {self.activation_dtype!r}"
+                f"activation_dtype must be 'int16' or 'int8', got {self.activation_dtype!r}"
             )
-        if self.dtype == "float32" and self.activation_dtype != "auto":
+        if self.dtype == "float32" and self.activation_dtype != "int16":
             raise ValueError("activation_dtype applies to the int8 model only")
 
     def resolved_threads(self) -> int:

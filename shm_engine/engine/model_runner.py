@@ -49,7 +49,12 @@ def build_model(config: EngineConfig, loaded: LoadedModel):
             num_threads=config.resolved_threads(),
             kv_cache_dtype=_int8_kv_name(config),
             activation_dtype=config.activation_dtype,
-            calibration_ids=calibration_ids(loaded.tokenizer),
+            # NOTE: 8-bit activations want smoothed weights (half their error); int16 ones keep
+            # the weights as they are (smoothing halves their KL to fp32 too, but swapped a
+            # near-tie first token of a test prompt: docs/kernels.md)
+            calibration_ids=(
+                calibration_ids(loaded.tokenizer) if config.activation_dtype == "int8" else None
+            ),
         )
     from shm_engine.model.torch_model import TorchLlama
 

@@ -585,6 +585,23 @@ def test_int8_kv_cache_holds_more_tokens_and_serves():
         EngineConfig(dtype="float32", kv_cache_dtype="int8")
 
 
+def test_int8_activations_serve_on_smoothed_weights():
+    """activation_dtype="int8": the engine smooths the weights (a calibration forward at load)
+    and marks the layers for 8-bit activations; the answer stays right."""
+    from shm_engine import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with LLM(dtype=DTYPE, activation_dtype="int8", in_process=True) as llm:
+        model = llm.client.core.runner.model
+        assert model.smoothed and model.layers[0].gate_up.act8
+        out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text, out.text
+    with pytest.raises(ValueError, match="activation_dtype"):
+        EngineConfig(activation_dtype="fp8")
+    with pytest.raises(ValueError, match="int8 model only"):
+        EngineConfig(dtype="float32", activation_dtype="int8")
+
+
 def test_data_parallel_replicas_share_the_work():
     import psutil
 

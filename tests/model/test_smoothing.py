@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shm_engine.model import kernels
 from shm_engine.model.int8_model import Int8Llama
 from shm_engine.model.reference import ReferenceModel
 from shm_engine.model.smoothing import LayerCalibrator, LayerWeights, smooth_layer
@@ -124,11 +123,21 @@ def test_smoothed_int8_model_matches_reference(act):
             assert (o.argmax(-1) == e.argmax(-1)).float().mean() >= 0.85
 
 
-def test_auto_activations_are_int8_only_smoothed_on_vnni():
+def test_activation_dtype_marks_the_layer_weights():
     config, weights = model(num_layers=1)
     ids = list(range(5, 40))
-    assert Int8Llama(config, weights).activation_dtype == "int16"
-    auto = Int8Llama(config, weights, calibration_ids=ids).activation_dtype
-    assert auto == ("int8" if kernels.get_path() == "vnni" else "int16")
-    forced = Int8Llama(config, weights, activation_dtype="int8")
-    assert forced.activation_dtype == "int8" and forced.layers[0].qkv.act8
+    for act, calib in (("int16", None), ("int16", ids), ("int8", None), ("int8", ids)):
+        m = Int8Llama(config, weights, activation_dtype=act, calibration_ids=calib)
+        assert m.smoothed == (calib is not None)
+        layer = m.layers[0]
+        assert [lin.act8 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
+            act == "int8"
+        ] * 4
+        assert not m.lm_head.act8
+
+
+def test_calibration_text_longer_than_the_model_is_cut():
+    """Calibration runs no position past the RoPE table (85 ids, 32 positions)."""
+    config, weights = model(num_layers=1, max_position_embeddings=32)
+    smoothed = Int8Llama(config, weights, calibration_ids=list(range(5, 90)))
+    assert smoothed.smoothed
