@@ -150,10 +150,13 @@ def test_int8_kv_cache_dtype_is_validated():
         Int8Llama(odd_config, odd_weights, kv_cache_dtype="int8")
 
 
-def test_int8_decode_steps_match_reference():
+@pytest.mark.parametrize("act", ["int16", "int8"])
+def test_int8_decode_steps_match_reference(act):
+    """activation_dtype "int8": 8-bit activations in every layer call on path vnni (the LM head
+    keeps int16), bounded alike."""
     config, weights = random_model()
     ref = ReferenceModel(config, weights)
-    int8 = Int8Llama(config, weights)
+    int8 = Int8Llama(config, weights, activation_dtype=act)
     seqs = [list(range(3, 3 + n)) for n in (24, 9)]
     chunks = [[20] + [1] * 4, [5] + [1] * 4]
     got = paged_logits(int8, config, seqs, chunks)
@@ -163,23 +166,12 @@ def test_int8_decode_steps_match_reference():
         assert (o.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
 
 
-def test_int8_activations_match_reference():
-    """activation_dtype="int8": 8-bit activations in every linear call on path vnni (the LM head
-    keeps int16); bounded like int16."""
-    config, weights = random_model()
-    ref = ReferenceModel(config, weights)
-    a8 = Int8Llama(config, weights, activation_dtype="int8")
-    a16 = Int8Llama(config, weights)
-    seqs = [list(range(3, 3 + n)) for n in (40, 21)]
-    chunks = [[32] + [1] * 8, [17] + [1] * 4]
-    got = paged_logits(a8, config, seqs, chunks)
-    for s, o in zip(seqs, got, strict=True):
-        e = ref.forward(torch.tensor(s))
-        assert rel_err(o, e) < 0.06
-        assert (o.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
-    plain = paged_logits(a16, config, seqs, chunks)
-    took_a8 = kernels.get_path() == "vnni"
-    assert torch.equal(got[0], plain[0]) != took_a8
+def test_int8_activations_run_only_on_vnni():
+    config, weights = random_model(num_layers=1)
+    seqs, chunks = [list(range(3, 40))], [[32, 1, 1, 1, 1, 1]]
+    a8, a16 = (Int8Llama(config, weights, activation_dtype=a) for a in ("int8", "int16"))
+    same = torch.equal(*(paged_logits(m, config, seqs, chunks)[0] for m in (a8, a16)))
+    assert same != (kernels.get_path() == "vnni")
     with pytest.raises(ValueError, match="activation_dtype"):
         Int8Llama(config, weights, activation_dtype="fp8")
 

@@ -28,14 +28,6 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    path, threads = K.get_path(), K.get_num_threads()
-    yield
-    K.set_path(path)
-    K.set_num_threads(threads)
-
-
 def ref_quant(x: np.ndarray):
     """numpy reference of the symmetric per-row int16 quantisation (fp32, round half to even)."""
     x = x.astype(np.float32)

@@ -13,14 +13,6 @@ HAS_VNNI = K.PATHS[K.best_path()] >= K.PATHS["vnni"]
 A8_PATHS = ["portable"] + (["vnni"] if HAS_VNNI else [])
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    path, threads = K.get_path(), K.get_num_threads()
-    yield
-    K.set_path(path)
-    K.set_num_threads(threads)
-
-
 def packed(n: int, k: int, seed: int, bias: bool = False) -> K.PackedLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(1, k, generator=g)

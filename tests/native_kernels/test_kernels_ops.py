@@ -12,14 +12,6 @@ from shm_engine.model.kv_cache import check_kv_dtype, kv_slab_rows
 PATHS = [p for p in ("portable", "avx2", "vnni") if K.PATHS[p] <= K.PATHS[K.best_path()]]
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    path, threads = K.get_path(), K.get_num_threads()
-    yield
-    K.set_path(path)
-    K.set_num_threads(threads)
-
-
 def gen(seed):
     return torch.Generator().manual_seed(seed)
 
