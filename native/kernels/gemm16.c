@@ -31,11 +31,12 @@
 #include <string.h>
 
 #include "common.h"
+#include "vnni_tile.h"
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
-#define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define VNNI_FN SHMK_VNNI_FN
 #define INLINE static inline __attribute__((always_inline))
-#define PF_DIST 1024       /* software prefetch distance in a block stream (bytes) */
+#define PF_DIST SHMK_PF_DIST /* software prefetch distance in a block stream (bytes) */
 
 /* ------------------------------------------------------------------ dispatch */
 static int g_path = -1;
@@ -640,20 +641,11 @@ AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_
 #define VNNI_MR 4
 
 INLINE VNNI_FN void vnni_store(const gemm_ctx *c, int64_t blk, int64_t i, __m512 f) {
-    const int64_t j0 = blk * NB;
-    const int64_t ncols = c->n - j0 < NB ? c->n - j0 : NB;
-    const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
-    __m512 v = _mm512_mul_ps(f, _mm512_set1_ps(c->sx[i] * c->mult));
-    if (c->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c->bias + j0));
-    float *y = c->y + i * c->n + j0;
-    if (c->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
-    _mm512_mask_storeu_ps(y, mask, v);
+    const __m512 v = _mm512_mul_ps(f, _mm512_set1_ps(c->sx[i] * c->mult));
+    shmk_vnni_store(c->y + i * c->n, c->bias, c->n, blk, v, c->accumulate);
 }
 
-/* pf_next: also prefetch the next unit's weights (blocks blk+2, blk+3) into L2.  Wide tiles
- * (mr > 2) reuse a unit's weights from cache for every row tile after the first, so the memory
- * stream would otherwise stall the first tile and idle for the rest; the caller sets pf_next on
- * the first row tile of a unit, so the next unit arrives while this one is computed. */
+/* pf_next: the first row tile of a unit (shmk_vnni_prefetch) */
 INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
                                 const int nr, const int raw, const int pf_next) {
     const int64_t G = c->G, kp = c->kp;
@@ -676,20 +668,7 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
             for (int b = 0; b < nr; b++) d[r][b][0] = d[r][b][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int q = 0; q < GK / 4; q++) {
-            if (mr <= 2) {
-                /* NOTE: near the end of the unit, w0's look-ahead would land in block blk+1
-                 * (w1's, already streaming); skip it to blk+3, the next unit's second block.
-                 * w1's look-ahead runs on into blk+2, the next unit's first. */
-                const int64_t o = g * GBYTES + q * 64 + PF_DIST;
-                _mm_prefetch((const char *)wb0 + o + (o >= G * GBYTES ? 2 * G * GBYTES : 0),
-                             _MM_HINT_T0);
-                if (nr == 2) _mm_prefetch((const char *)w1 + q * 64 + PF_DIST, _MM_HINT_T0);
-            } else if (pf_next) {
-                /* NOTE: past the last unit these addresses leave the weights; prefetches of
-                 * unmapped memory are dropped, never fault. */
-                _mm_prefetch((const char *)w0 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
-                _mm_prefetch((const char *)w1 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
-            }
+            shmk_vnni_prefetch(wb0, G, g, q, mr, nr, pf_next);
             /* quad row q widened as it lies: 8 channels x (k pair 0, k pair 1) per half */
             const __m512i v00 =
                 _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + q * 64)));

@@ -25,11 +25,11 @@
 #include <string.h>
 
 #include "common.h"
+#include "vnni_tile.h"
 
-#define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define VNNI_FN SHMK_VNNI_FN
 #define INLINE static inline __attribute__((always_inline))
 #define SPAN 16               /* k per activation scale */
-#define A8_PF_DIST 1024       /* gemm16.c's PF_DIST */
 #define A8_MIN_AMAX 0x1p-100f /* gemm16.c's QUANT_MIN_AMAX, for the same reason */
 
 /* ------------------------------------------------------------------ activation quantisation */
@@ -135,14 +135,8 @@ static void tile_portable(const a8_ctx *c, int64_t blk, int64_t i0, int64_t i1) 
 #define A8_MR 4
 
 INLINE VNNI_FN void vnni_store(const a8_ctx *c, int64_t blk, int64_t i, __m512 f) {
-    const int64_t j0 = blk * NB;
-    const int64_t ncols = c->n - j0 < NB ? c->n - j0 : NB;
-    const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
-    __m512 v = _mm512_mul_ps(f, _mm512_set1_ps(c->mult));
-    if (c->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c->bias + j0));
-    float *y = c->y + i * c->n + j0;
-    if (c->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
-    _mm512_mask_storeu_ps(y, mask, v);
+    const __m512 v = _mm512_mul_ps(f, _mm512_set1_ps(c->mult));
+    shmk_vnni_store(c->y + i * c->n, c->bias, c->n, blk, v, c->accumulate);
 }
 
 /* e[b][p][16] = 128 x the weight sums of span p for the unit's blocks (nr of them): what the
@@ -164,8 +158,7 @@ INLINE VNNI_FN void unit_sums(const a8_ctx *c, int64_t blk, int nr, int32_t *e) 
     }
 }
 
-/* pf_next: prefetch the next unit's weights into L2 while this tile computes (the first row
- * tile of a unit; the later ones find the unit in cache): gemm16.c's vnni_kernel does the same.
+/* pf_next: the first row tile of a unit (shmk_vnni_prefetch).
  * inl: take the u8 offset back with sums made here, one more vpdpbusd a quad row and block
  * (calls of few rows, which stream the weights from memory once); else from the unit's e
  * (unit_sums).  The same integers either way. */
@@ -199,19 +192,7 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
             for (int r = 0; r < mr; r++) d[r][0] = c0, d[r][1] = c1;
 #pragma GCC unroll 4
             for (int q = 4 * h; q < 4 * h + 4; q++) {
-                if (mr <= 2) {
-                    /* few rows: the weights stream from memory; gemm16.c's look-ahead (w0's
-                     * skips block blk+1, already streaming as w1, to the next unit's second) */
-                    const int64_t o = g * GBYTES + q * 64 + A8_PF_DIST;
-                    _mm_prefetch((const char *)wb0 + o + (o >= G * GBYTES ? 2 * G * GBYTES : 0),
-                                 _MM_HINT_T0);
-                    if (nr == 2) _mm_prefetch((const char *)w1 + q * 64 + A8_PF_DIST, _MM_HINT_T0);
-                } else if (pf_next) {
-                    /* NOTE: past the last unit these addresses leave the weights; prefetches
-                     * of unmapped memory are dropped, never fault. */
-                    _mm_prefetch((const char *)w0 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
-                    _mm_prefetch((const char *)w1 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
-                }
+                shmk_vnni_prefetch(wb0, G, g, q, mr, nr, pf_next);
                 const __m512i a = _mm512_loadu_si512(w0 + q * 64);
                 const __m512i b = nr == 2 ? _mm512_loadu_si512(w1 + q * 64) : a;
                 if (inl) {
