@@ -42,6 +42,7 @@ def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
         ["generate", "hi", "--max-tokens", "abc"],
         ["generate", "hi", "--dtype", "bf16"],
         ["chat", "--kv-cache-dtype", "fp8"],
+        ["generate", "hi", "--activation-dtype", "fp8"],
         ["bench", "nothing"],
     ],
 )

@@ -181,9 +181,10 @@ def test_serve_flags_reach_the_engine_config() -> None:
 
     argv = ["serve", "--max-num-batched-tokens", "384", "--long-prefill-token-threshold", "64"]
     argv += ["--max-num-seqs", "8", "--kv-cache-mib", "64", "--no-prefix-caching"]
-    argv += ["--scheduling-policy", "priority"]
+    argv += ["--scheduling-policy", "priority", "--activation-dtype", "int8"]
     config = serve_config(build_parser().parse_args(argv))
     assert config.scheduling_policy == "priority"
+    assert config.activation_dtype == "int8"
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (384, 64)
     assert (config.max_num_seqs, config.kv_cache_bytes) == (8, 64 << 20)
     assert not config.enable_prefix_caching
@@ -192,6 +193,7 @@ def test_serve_flags_reach_the_engine_config() -> None:
     assert default.max_num_batched_tokens == engine.max_num_batched_tokens
     assert default.long_prefill_token_threshold == engine.long_prefill_token_threshold
     assert default.max_num_seqs == engine.max_num_seqs
+    assert default.activation_dtype == engine.activation_dtype == "int16"
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         serve_config(build_parser().parse_args(["serve", "--long-prefill-token-threshold", "-1"]))
 
