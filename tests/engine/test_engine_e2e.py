@@ -587,15 +587,20 @@ def test_int8_kv_cache_holds_more_tokens_and_serves():
 
 def test_int8_activations_serve_on_smoothed_weights():
     """activation_dtype="int8": the engine smooths the weights (a calibration forward at load)
-    and marks the layers for 8-bit activations; the answer stays right."""
+    and marks the layers for 8-bit activations; the answer stays right, and a request's tokens
+    do not depend on what else shares its steps (every row count takes the same kernel)."""
     from shm_engine import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = ["The capital of France is"] + [f"Count from {i} to {i + 5}:" for i in range(5)]
     with LLM(dtype=DTYPE, activation_dtype="int8", in_process=True) as llm:
         model = llm.client.core.runner.model
         assert model.smoothed and model.layers[0].gate_up.act8
-        out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
-    assert "Paris" in out.text, out.text
+        together = llm.generate(prompts, params, use_tqdm=False)
+        alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert "Paris" in together[0].outputs[0].text, together[0].outputs[0].text
+    for a, b in zip(together, alone, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
     with pytest.raises(ValueError, match="activation_dtype"):
         EngineConfig(activation_dtype="fp8")
     with pytest.raises(ValueError, match="int8 model only"):
