@@ -3,6 +3,7 @@
 - GEMM GOP/s for the model's shapes at M = 1, 8, 32, 256 (ours, torch fp32, torch dynamic int8);
 - prefill tokens/s of a 512-token prompt;
 - decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context (batch over the median step);
+  on kernel path "vnni" also for the opt-in int8 activations (`a8_` keys; smoothed weights);
 - peak RSS of a fresh process that loads the default int8 model (KV cache excluded).
 
     python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
@@ -137,27 +138,30 @@ def main() -> int:
     results["gemm"] = [{k: r[k] for k in ("m", "n", "k", "name", "impl", "gops")} for r in rows]
 
     loaded = load_model(None)
-    models = {
-        "int8": Int8Llama(
+
+    def int8_model(act: str) -> Int8Llama:
+        return Int8Llama(
             loaded.config,
             loaded.weights,
             kv_cache_dtype=args.kv_cache_dtype,
-            activation_dtype=args.activation_dtype,
+            activation_dtype=act,
             # as the engine builds it (model_runner.build_model)
-            calibration_ids=(
-                calibration_ids(loaded.tokenizer) if args.activation_dtype == "int8" else None
-            ),
+            calibration_ids=calibration_ids(loaded.tokenizer) if act == "int8" else None,
         )
-    }
+
+    models = {"int8": int8_model(args.activation_dtype)}
+    # the opt-in 8-bit activations side by side, where the kernel path runs them
+    if args.activation_dtype == "int16" and machine["kernel_path"] == "vnni":
+        models["a8"] = int8_model("int8")
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
     threads = torch.get_num_threads()
     for name, model in models.items():
         # as in the engine (ModelRunner): one torch thread beside the native pool for int8
-        torch.set_num_threads(1 if name == "int8" else threads)
+        torch.set_num_threads(threads if name == "fp32" else 1)
         prefill = prefill_tok_s(model, loaded.config, 512, repeats)
         decode = {b: decode_tok_s(model, loaded.config, b, steps) for b in (1, 8, 16, 32)}
-        key = "" if name == "int8" else "fp32_"
+        key = "" if name == "int8" else f"{name}_"
         results[f"{key}prefill_tok_s"] = prefill
         results[f"{key}decode_tok_s"] = decode
         line = "  ".join(f"b{b} {v:7.1f}" for b, v in decode.items())
