@@ -137,7 +137,14 @@ def test_activation_dtype_marks_the_layer_weights():
 
 
 def test_calibration_text_longer_than_the_model_is_cut():
-    """Calibration runs no position past the RoPE table (85 ids, 32 positions)."""
+    """Calibration runs no position past the RoPE table (85 ids, 32 positions): the kernels
+    would clamp such positions to the table's last row and record maxima of wrong rotations, so
+    85 ids must smooth exactly as their first 32 do."""
     config, weights = model(num_layers=1, max_position_embeddings=32)
-    smoothed = Int8Llama(config, weights, calibration_ids=list(range(5, 90)))
-    assert smoothed.smoothed
+    ids = list(range(5, 90))
+    long, cut = (Int8Llama(config, weights, calibration_ids=c) for c in (ids, ids[:32]))
+    assert long.smoothed
+    for a, b in zip(long.layers, cut.layers, strict=True):
+        assert torch.equal(a.input_norm, b.input_norm) and torch.equal(a.post_norm, b.post_norm)
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(getattr(a, name).packed, getattr(b, name).packed)
