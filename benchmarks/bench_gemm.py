@@ -31,7 +31,7 @@ SHAPES = [
 MS = [1, 8, 32, 256]
 # "ours": the default weight (bf16 activations on AMX from 64 rows); "ours_int16": act_bf16=False,
 # the model's down projection (int16 activations everywhere; exact int8 tiles on AMX)
-# "ours_a8": enable_act8 (8-bit activations on path vnni)
+# "ours_a8": act8 weights (8-bit activations, each 32 k rotated)
 IMPLS = ["ours", "ours_int16", "ours_a8", "torch_fp32", "torch_int8_dyn"]
 
 
@@ -41,7 +41,7 @@ def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
     x = torch.randn(m, k, generator=g)
     packed = kernels.PackedLinear.from_float(w)
     exact = kernels.PackedLinear.from_float(w, act_bf16=False)
-    a8 = kernels.PackedLinear.from_float(w).enable_act8()
+    a8 = kernels.PackedLinear.from_float(w, act8=True)
     out = torch.empty(m, n)
     wt = w.t().contiguous()  # torch fp32: x @ W^T with a pre-transposed weight (its best case)
     fp_out = torch.empty(m, n)

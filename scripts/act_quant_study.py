@@ -40,7 +40,10 @@ class Scheme:
     SmoothQuant strength `alpha` (with 16 bits too: what the int16 kernel would get from weights
     packed smoothed for an 8-bit one); `int16_down` keeps the down projection's input at 16
     bits; `reorder` sorts each input's channels by their calibrated max |x| (so outlier channels
-    share groups); `only` gives 8 bits to one projection kind (qkv, o, gate_up, down)."""
+    share groups); `only` gives 8 bits to one projection kind (qkv, o, gate_up, down); `rotate`
+    multiplies each input's blocks of that many k, and the weights' columns alike, by the
+    orthonormal Walsh-Hadamard matrix (QuaRot: exact in real numbers, it spreads an outlier over
+    its block before the activations are rounded; the rotated weights are quantised again)."""
 
     name: str
     bits: int
@@ -49,6 +52,7 @@ class Scheme:
     int16_down: bool = False
     reorder: bool = False
     only: str | None = None
+    rotate: int | None = None
 
 
 SCHEMES = {
@@ -71,6 +75,13 @@ SCHEMES = {
         Scheme("a8g16-perm-down16", 8, 16, None, True, True),
         Scheme("a8g32-perm", 8, 32, None, False, True),
         *[Scheme(f"a8g16-{k}-only", 8, 16, only=k) for k in ("qkv", "o", "gate_up", "down")],
+        Scheme("a16-sq0.5-rot32", 16, None, 0.5, rotate=32),
+        Scheme("a8g16-sq0.5-rot16", 8, 16, 0.5, rotate=16),
+        Scheme("a8g32-sq0.5-rot32", 8, 32, 0.5, rotate=32),
+        Scheme("a8g32-rot32", 8, 32, rotate=32),
+        Scheme("a8g64-sq0.5-rot64", 8, 64, 0.5, rotate=64),
+        Scheme("a8g32-sq0.5-rot64", 8, 32, 0.5, rotate=64),
+        Scheme("a8-sq0.5-rot64", 8, None, 0.5, rotate=64),
     ]
 }
 
@@ -78,6 +89,20 @@ SCHEMES = {
 def quantize_weight(w: torch.Tensor) -> torch.Tensor:
     """W8 with a scale per (channel, 32 k), dequantised: what PackedLinear stores."""
     return fake_quant(w, 127, 32)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of order n (a power of two); symmetric, H H = I."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def rotate_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x's rows times blockdiag(H, H, ...): each run of `block` k rotated on its own."""
+    rows, k = x.shape
+    return (x.reshape(rows, k // block, block) @ hadamard(block)).reshape(rows, k)
 
 
 def fake_quant(x: torch.Tensor, limit: int, group: int | None) -> torch.Tensor:
@@ -144,15 +169,20 @@ class StudyModel(ReferenceModel):
         # NOTE: keyed by what was applied: a16-sq's smoothed down projection must not serve a
         # scheme that keeps the down projection unsmoothed at 16 bits
         smoothed = s.alpha if smooth is not ones else None
-        cache_key = (weight.data_ptr(), bits, smoothed, s.reorder)
+        rotate = s.rotate if not head else None
+        cache_key = (weight.data_ptr(), bits, smoothed, s.reorder, rotate)
         if cache_key not in self._packed:
             w = weight * smooth
             if perm is not None:
                 w = w[:, perm]
+            if rotate:
+                w = rotate_blocks(w, rotate)
             self._packed[cache_key] = quantize_weight(w)
         xs = flat / smooth
         if perm is not None:
             xs = xs[:, perm]
+        if rotate:
+            xs = rotate_blocks(xs, rotate)
         xq = fake_quant(xs, 2 ** (bits - 1) - 1, s.group if bits == 8 else None)
         y = F.linear(xq, self._packed[cache_key], bias)
         return y.reshape(*x.shape[:-1], -1)

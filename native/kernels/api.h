@@ -51,8 +51,9 @@ typedef struct {
      * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
      * those run on int8 tiles from 9 rows, with the same results: gemm_amx8.c) */
     int act_bf16;
-    /* 1: calls on path vnni quantise the activations to 8 bits, a scale per 16 k (gemm_a8.c: up
-     * to ~1.5x the int16 kernel's speed, at a cost in accuracy) */
+    /* 1: packed from W H / 32 (kernels.rotate_groups): every call takes gemm_a8.c, which
+     * rotates each 32 k of the activations by H and quantises them to 8 bits, a scale per group
+     * (on path vnni up to ~2x the int16 kernel's speed, at a cost in accuracy) */
     int act8;
 } shmk_linear_t;
 
@@ -69,11 +70,12 @@ void shmk_dequant_channels(const shmk_linear_t *w, const int64_t *ids, int64_t t
 /* y[m,n] = x @ dequant(W)^T (+ bias), via per-row int16 quantisation of x */
 void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 
-/* ---- W8 (group-32) x A8 (group-16) GEMM (gemm_a8.c), opt-in per weight ---- */
-/* activations: xu[m][kp] = 128 + int8 per span of 16 k (zero padded), scales[m][kp/16] */
+/* ---- W8 x A8 GEMM (gemm_a8.c) on weights packed rotated, opt-in per weight ---- */
+/* activations: each 32 k (zero padded) times the Walsh-Hadamard matrix H, then
+ * xu[m][kp] = 128 + int8 per group, scales[m][kp/32] */
 void shmk_quantize_rows_a8(const float *x, int64_t m, int64_t k, uint8_t *xu, float *scales);
-/* y[m,n] = x @ dequant(W)^T (+ bias) on 8-bit activations at any m (whatever w->act8 says): the
- * VNNI kernel on paths vnni / amx, else the portable one (the same bits) */
+/* y[m,n] = (H x) @ dequant(W)^T (+ bias) on 8-bit activations at any m (whatever w->act8 says):
+ * the VNNI kernel on paths vnni / amx, else the portable one (the same bits) */
 void shmk_linear_a8(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 
 /* ---- elementwise / normalisation ---- */

@@ -101,8 +101,8 @@ void shmk_quant_row(const float *x, int64_t k, int64_t kp, int16_t *q, float *s)
 void shmk_fwht(float *x, int64_t d);
 void shmk_quant_kv_row(const float *x, int64_t d, int8_t *q, float *scale);
 
-/* y (+)= linear(x) on 8-bit activations (gemm_a8.c; shmk_linear_impl's choice for act8 weights
- * on path vnni) */
+/* y (+)= linear(x) on 8-bit activations (gemm_a8.c; shmk_linear_impl's choice for act8
+ * weights) */
 void shmk_linear_a8_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                          int accumulate);
 

@@ -842,7 +842,8 @@ int shmk_amx_bf16_min_rows(void) { return SHMK_AMX_MIN_M; }
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                       int accumulate) {
     if (m <= 0 || w->n <= 0) return;
-    if (shmk_path() == SHMK_VNNI && w->act8) {
+    /* NOTE: on every path: act8 weights are packed rotated, which only gemm_a8.c undoes */
+    if (w->act8) {
         shmk_linear_a8_impl(w, x, m, y, accumulate);
         return;
     }

@@ -81,13 +81,11 @@ class Int8Llama:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}")
         self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
-        # NOTE: "int8" activations (a scale per 16 k) run the layers' linear calls on
-        # vpdpbusd: 1.2-1.5x the int16 kernel from ~16 rows (prefill, batched decode), as fast
-        # below; every call, so a token's result does not depend on its batch.  Only path
-        # "vnni" has that kernel.  On unsmoothed weights they double the KL to fp32; on
-        # smoothed ones they are about as close to fp32 as unsmoothed int16, yet one token
-        # short of the 98 % top-1 agreement the tests hold the model to on their text, so they
-        # are opt-in (docs/kernels.md, "8-bit activations").
+        # NOTE: "int8" activations (each 32 k rotated by the Walsh-Hadamard matrix, a scale
+        # per group) run the layers' linear calls on vpdpbusd: 1.5-2x the int16 kernel from ~16
+        # rows (prefill, batched decode), as fast below; every call, so a token's result does
+        # not depend on its batch.  Only path "vnni" has that kernel; the others keep int16.
+        # Accuracy: docs/kernels.md, "8-bit activations".
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}")
         self.smoothed = bool(calibration_ids)
@@ -189,13 +187,12 @@ class Int8Llama:
         every path, for calibration."""
         c = self.config
         arena = None if probe else self._arena
-        act8 = self.activation_dtype == "int8" and not probe
+        act8 = self.activation_dtype == "int8" and not probe and kernels.get_path() == "vnni"
 
         def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16: bool = True):
-            lin = kernels.PackedLinear.from_float(
-                weight, bias, act_bf16=act_bf16 and not probe, arena=arena
+            return kernels.PackedLinear.from_float(
+                weight, bias, act_bf16=act_bf16 and not probe, arena=arena, act8=act8
             )
-            return lin.enable_act8() if act8 else lin
 
         return kernels.LlamaLayer(
             hidden=c.hidden_size,

@@ -220,7 +220,8 @@ class PackedLinear:
 
     Attributes: ``n``, ``k`` (logical shape [n, k]), ``kp`` (k padded to 32), ``groups``
     (kp / 32), ``packed`` (int8, flat, ceil(n/16)*16 * kp bytes), ``scales`` (fp16 bits as int16,
-    flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias`` (fp32 [n] or None).
+    flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias`` (fp32 [n] or None),
+    ``act8`` (packed rotated, for 8-bit activations: see ``from_float``).
     """
 
     __slots__ = (
@@ -228,7 +229,7 @@ class PackedLinear:
         "_c",
     )  # fmt: skip
 
-    def __init__(self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True):
+    def __init__(self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True, act8=False):
         """Wrap already packed data (as ``from_float`` makes it); checked against n and k."""
         if int(n) < 1 or int(k) < 1:
             raise ValueError(f"n and k must be >= 1, got n={n}, k={k}")
@@ -253,16 +254,9 @@ class PackedLinear:
         c.scales = _u16(scales)
         c.scale_mult = float(scale_mult)
         c.bias = _f32(bias) if bias is not None else ffi.NULL
+        self.act8 = bool(act8)
+        c.act8 = int(self.act8)
         self._c = c
-        self.act8 = False
-
-    def enable_act8(self) -> PackedLinear:
-        """Let calls on path "vnni" quantise the activations to int8 with a scale per 16 k
-        (1.2-1.5x the int16 kernel's speed from ~16 rows, as fast below; less accurate:
-        docs/kernels.md). Layers built from this weight afterwards inherit it."""
-        self.act8 = True
-        self._c.act8 = 1
-        return self
 
     @staticmethod
     def arena_bytes(n: int, k: int) -> int:
@@ -278,11 +272,17 @@ class PackedLinear:
         bias: torch.Tensor | None = None,
         act_bf16: bool = True,
         arena: HugeArena | None = None,
+        act8: bool = False,
     ) -> PackedLinear:
         """Quantise and pack a float weight [n, k] (any float dtype; copied to fp32 if needed).
 
         ``act_bf16=False`` keeps int16 activations on the AMX path too (see path "amx").
-        ``arena``: place the packed weight and scales there (huge pages) instead of the heap."""
+        ``arena``: place the packed weight and scales there (huge pages) instead of the heap.
+        ``act8``: every call quantises the activations to 8 bits (gemm_a8.c: 1.5-2x the int16
+        kernel's speed from ~16 rows on path "vnni", portable C elsewhere; less accurate:
+        docs/kernels.md). The kernel rotates each 32 k of a row by the Walsh-Hadamard matrix
+        H before rounding, so the weight is packed as ``rotate_groups(weight)``: W H / 32,
+        which that rotated row multiplies to W x."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
         if not weight.is_floating_point():
@@ -292,12 +292,14 @@ class PackedLinear:
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
         packed, scales = cls._buffers(n, k, arena)
-        mult = float(lib.shmk_pack_weights(_f32(w), n, k, _i8(packed), _u16(scales)))
+        if act8:
+            w = rotate_groups(w)  # [n, kp]: the padded columns are no longer zeros
+        mult = float(lib.shmk_pack_weights(_f32(w), n, w.shape[1], _i8(packed), _u16(scales)))
         b = None
         if bias is not None:
             b = _cpu_f32(bias)
             _shape(b, "bias", (n,))
-        return cls(n, k, packed, scales, mult, b, act_bf16)
+        return cls(n, k, packed, scales, mult, b, act_bf16, act8)
 
     @staticmethod
     def _buffers(n: int, k: int, arena: HugeArena | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,12 +378,14 @@ class PackedLinear:
         lib.shmk_dequant_channels(self._c, _i64(ids), ids.numel(), _f32(out))
         return out
 
-    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q int8 [n, k], group scales fp32 [n, groups]) back out of the packed layout."""
-        q = torch.empty(self.n, self.k, dtype=torch.int8)
+    def unpack(self, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [n, k], group scales fp32 [n, groups]) back out of the packed layout;
+        ``padded``: q's kp columns (an ``act8`` weight's padding is rotated into, not zero)."""
+        k = self.kp if padded else self.k
+        q = torch.empty(self.n, k, dtype=torch.int8)
         s = torch.empty(self.n, self.groups, dtype=torch.float32)
         lib.shmk_unpack_weights(
-            _i8(self.packed), _u16(self.scales), self.scale_mult, self.n, self.k, _i8(q), _f32(s)
+            _i8(self.packed), _u16(self.scales), self.scale_mult, self.n, k, _i8(q), _f32(s)
         )
         return q, s
 
@@ -420,20 +424,39 @@ def group_dots(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     return dots
 
 
+def hadamard(n: int = 32) -> torch.Tensor:
+    """The unnormalised Walsh-Hadamard matrix of order n (a power of two): symmetric, entries
+    +-1, H H = n I."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h
+
+
+def rotate_groups(w: torch.Tensor) -> torch.Tensor:
+    """[n, padded_k(k)] fp32: each group of 32 columns of ``w`` (zero padded) times H / 32, the
+    weight an ``act8`` PackedLinear packs (H H / 32 = I, so it times H x is W x)."""
+    n, k = w.shape
+    kp = padded_k(k)
+    wp = torch.nn.functional.pad(w.float(), (0, kp - k)).view(n, kp // 32, 32)
+    return (wp @ (hadamard(32) / 32)).view(n, kp)
+
+
 def quantize_rows_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 per 16 k, as the 8-bit GEMM stores it: (xu uint8 [m, padded_k(k)] = 128 + q,
-    scales fp32 [m, padded_k(k) / 16])."""
+    """The 8-bit GEMM's activations: each group of 32 k (zero padded) rotated by the
+    Walsh-Hadamard matrix, then int8 with a scale per group: (xu uint8 [m, padded_k(k)] =
+    128 + q, scales fp32 [m, padded_k(k) / 32])."""
     _check(x, "x", torch.float32, 2)
     m, k = x.shape
     xu = torch.empty(m, padded_k(k), dtype=torch.uint8)
-    scales = torch.empty(m, padded_k(k) // 16, dtype=torch.float32)
+    scales = torch.empty(m, padded_k(k) // 32, dtype=torch.float32)
     lib.shmk_quantize_rows_a8(_f32(x), m, k, ffi.cast("uint8_t *", xu.data_ptr()), _f32(scales))
     return xu, scales
 
 
 def linear_a8(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
-    """``linear`` on 8-bit activations whatever ``w.act8`` says: the VNNI kernel where the CPU
-    path has it, else the portable one, with the same bits."""
+    """``linear`` on 8-bit activations whatever ``w.act8`` says (so only right for ``act8``
+    weights): the VNNI kernel where the CPU path has it, else the portable one, the same bits."""
     _check(x, "x", torch.float32, 2)
     if x.shape[1] != w.k:
         raise ValueError(f"x has {x.shape[1]} features, weight expects k={w.k}")
@@ -445,7 +468,7 @@ def linear_a8(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., n] = x[..., k] @ W^T (+ bias) via dynamic int16 quantisation of x (8-bit for
-    ``enable_act8`` weights on path "vnni"); fp32 in and out."""
+    ``act8`` weights); fp32 in and out."""
     if not isinstance(w, PackedLinear):
         raise TypeError(f"w must be a PackedLinear, got {type(w).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:

@@ -150,13 +150,22 @@ def test_int8_kv_cache_dtype_is_validated():
         Int8Llama(odd_config, odd_weights, kv_cache_dtype="int8")
 
 
+def with_act8_kernel(monkeypatch, *args, **kwargs) -> Int8Llama:
+    """Int8Llama(*args, **kwargs) with its layers packed for the 8-bit kernel on any path: the
+    model asks for it only on path vnni, whose VNNI kernel gives the portable twin's bits."""
+    with monkeypatch.context() as mp:
+        mp.setattr(kernels, "get_path", lambda: "vnni")
+        return Int8Llama(*args, **kwargs)
+
+
 @pytest.mark.parametrize("act", ["int16", "int8"])
-def test_int8_decode_steps_match_reference(act):
-    """activation_dtype "int8": 8-bit activations in every layer call on path vnni (the LM head
-    keeps int16), bounded alike."""
+def test_int8_decode_steps_match_reference(act, monkeypatch):
+    """activation_dtype "int8": 8-bit activations (each 32 k rotated) in every layer call (the
+    LM head keeps int16), bounded alike."""
     config, weights = random_model()
     ref = ReferenceModel(config, weights)
-    int8 = Int8Llama(config, weights, activation_dtype=act)
+    int8 = with_act8_kernel(monkeypatch, config, weights, activation_dtype=act)
+    assert int8.layers[0].qkv.act8 == (act == "int8")
     seqs = [list(range(3, 3 + n)) for n in (24, 9)]
     chunks = [[20] + [1] * 4, [5] + [1] * 4]
     got = paged_logits(int8, config, seqs, chunks)
@@ -172,6 +181,7 @@ def test_int8_activations_run_only_on_vnni():
     a8, a16 = (Int8Llama(config, weights, activation_dtype=a) for a in ("int8", "int16"))
     same = torch.equal(*(paged_logits(m, config, seqs, chunks)[0] for m in (a8, a16)))
     assert same != (kernels.get_path() == "vnni")
+    assert a8.layers[0].o.act8 == (kernels.get_path() == "vnni")
     with pytest.raises(ValueError, match="activation_dtype"):
         Int8Llama(config, weights, activation_dtype="fp8")
 
@@ -232,20 +242,23 @@ def pooled_kl_agreement(model, smollm, smollm_ref) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_smollm2_smoothing_and_int8_activations(smollm, smollm_ref, smollm_int8):
-    """Measured on the VNNI path (2026-12-06), four texts, 521 tokens, KL to fp32 / top-1:
-    unsmoothed int16 (the default) 0.00119 / 98.7 %, smoothed int16 0.00065 / 97.7 %,
-    smoothed int8 (`activation_dtype="int8"` in the engine) 0.00110 / 97.3 %, unsmoothed int8
-    0.00249 / 98.7 %. Top-1 moves by near-tie tokens (one is 0.2 points here); KL is the
-    steadier measure. Smoothing must keep paying: int16 gains, and int8 on smoothed weights
-    stays about as close to fp32 as unsmoothed int16. On other paths "int8" runs int16 and the
-    bounds hold all the more."""
+def test_smollm2_smoothing_and_int8_activations(smollm, smollm_ref, smollm_int8, monkeypatch):
+    """Four texts, 521 tokens, KL to fp32 / top-1 (2026-12-06): unsmoothed int16 (the
+    default) 0.00119 / 98.7 %, smoothed int16 0.00065 / 97.7 %, smoothed int8
+    (`activation_dtype="int8"` in the engine; each 32 k rotated, a scale per group) 0.00078 /
+    98.5 %. Top-1 moves by near-tie tokens (one is 0.2 points here); KL is the steadier
+    measure. Smoothing must keep paying: int16 gains, and int8 on smoothed weights beats
+    unsmoothed int16. The 8-bit layers run on every path here (the portable twin where the
+    CPU lacks VNNI: the same bits)."""
     kl_plain, agree_plain = pooled_kl_agreement(smollm_int8, smollm, smollm_ref)
     cal = calibration_ids(smollm.tokenizer)
     smooth16 = Int8Llama(smollm.config, smollm.weights, calibration_ids=cal)
     kl_16, agree_16 = pooled_kl_agreement(smooth16, smollm, smollm_ref)
     del smooth16
-    act8 = Int8Llama(smollm.config, smollm.weights, activation_dtype="int8", calibration_ids=cal)
+    act8 = with_act8_kernel(
+        monkeypatch, smollm.config, smollm.weights, activation_dtype="int8", calibration_ids=cal
+    )
+    assert act8.layers[0].down.act8
     kl_8, agree_8 = pooled_kl_agreement(act8, smollm, smollm_ref)
     del act8
     print(
@@ -254,7 +267,7 @@ def test_smollm2_smoothing_and_int8_activations(smollm, smollm_ref, smollm_int8)
     )
     assert min(agree_plain, agree_16, agree_8) >= 0.97
     assert kl_16 < 0.8 * kl_plain
-    assert kl_8 < 1.2 * kl_plain
+    assert kl_8 < 0.8 * kl_plain
 
 
 @pytest.mark.slow

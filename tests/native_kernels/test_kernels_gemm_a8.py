@@ -1,6 +1,6 @@
-"""W8 (group 32) x A8 (group 16) GEMM (gemm_a8.c): the 8-bit activation quantiser and the GEMM
-against exact integer / numpy references; VNNI against portable bit for bit; which calls the
-dispatcher sends to it."""
+"""W8 x A8 GEMM on rotated groups of 32 k (gemm_a8.c): the 8-bit activation quantiser and the GEMM
+against exact integer / numpy references; VNNI against portable bit for bit; the rotation undone
+(an act8 weight gives x W^T); which calls the dispatcher sends to it."""
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ def packed(n: int, k: int, seed: int, bias: bool = False) -> K.PackedLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(1, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    return K.PackedLinear.from_float(w, b).enable_act8()
+    return K.PackedLinear.from_float(w, b, act8=True)
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -28,14 +28,35 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
+def ref_rotate(x: np.ndarray) -> np.ndarray:
+    """Each group of 32 columns times the unnormalised Walsh-Hadamard matrix, in fp32
+    butterflies of h = 1, 2, 4, 8, 16 (lower a + b, upper a - b): the kernel's order."""
+    m, kp = x.shape
+    v = x.astype(np.float32).reshape(m, kp // 32, 32)
+    h = 1
+    with np.errstate(invalid="ignore", over="ignore"):
+        while h < 32:
+            pairs = v.reshape(m, kp // 32, 32 // (2 * h), 2, h)
+            a, b = pairs[..., 0, :], pairs[..., 1, :]
+            v = np.stack([a + b, a - b], axis=-2).reshape(m, kp // 32, 32)
+            h *= 2
+    return v.reshape(m, kp)
+
+
+def test_ref_rotate_is_the_hadamard_product():
+    x = torch.randn(3, 64)
+    want = (x.view(3, 2, 32) @ K.hadamard(32)).view(3, 64)
+    assert np.allclose(ref_rotate(x.numpy()), want.numpy(), atol=1e-5)
+
+
 def ref_quant_a8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy reference: int8 per span of 16 k (fp32, round half to even, NaN -> 0, spans with
-    max < 2^-100 zero with scale 0), stored + 128."""
+    """numpy reference: each group of 32 k (zero padded) rotated, then int8 per group (fp32,
+    round half to even, NaN -> 0, groups with max < 2^-100 zero with scale 0), stored + 128."""
     m, k = x.shape
     kp = -(-k // 32) * 32
     xs = np.zeros((m, kp), np.float32)
     xs[:, :k] = x
-    spans = xs.reshape(m, kp // 16, 16)
+    spans = ref_rotate(xs).reshape(m, kp // 32, 32)
     amax = np.nanmax(np.abs(spans), axis=-1, initial=0.0).astype(np.float32)
     live = amax >= np.float32(2.0**-100)
     safe = np.where(live, amax, np.float32(1))
@@ -47,16 +68,17 @@ def ref_quant_a8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def exact_reference(x: torch.Tensor, p: K.PackedLinear) -> torch.Tensor:
-    """float64 from exact int64 dots per span, each times its weight and activation scales."""
+    """float64 from exact int64 dots per group (the padding included: rotated, it is not
+    zero), each times its weight and activation scales."""
     xu, sx = K.quantize_rows_a8(x)
-    xq = xu.to(torch.int64)[:, : p.k] - 128
-    q, gscale = p.unpack()
+    xq = xu.to(torch.int64) - 128
+    q, gscale = p.unpack(padded=True)
     q = q.to(torch.int64)
     y = torch.zeros(x.shape[0], p.n, dtype=torch.float64)
-    for s in range(-(-p.k // 16)):
-        a, b = 16 * s, min(16 * s + 16, p.k)
+    for g in range(p.groups):
+        a, b = 32 * g, 32 * g + 32
         dots = (xq[:, a:b] @ q[:, a:b].T).double()
-        y += dots * sx[:, s].double()[:, None] * gscale[:, s // 2].double()[None, :]
+        y += dots * sx[:, g].double()[:, None] * gscale[:, g].double()[None, :]
     return y + (p.bias.double() if p.bias is not None else 0)
 
 
@@ -65,8 +87,9 @@ def _edge_rows(k: int) -> torch.Tensor:
     x[0] = 0  # zeros
     x[1] = 1e-35  # below the smallest usable max
     x[2, ::3] = float("nan")  # NaN elements are skipped by the max and quantise to 0
-    x[3, 0] = float("inf")  # its span: scale inf, every element 0
-    x[4, : min(k, 16)] = 2.5  # ties: 127 / 2.5 * 2.5 exactly
+    x[3, 0] = float("inf")  # its group: inf and NaN, scale inf, every element 0
+    x[4, : min(k, 32)] = 2.5  # rotated: one 80 (or 2.5 k), the rest 0
+    x[6, : min(k, 32)] = torch.arange(min(k, 32)) % 3 - 1.0  # ties after the rotation
     x[5] = -x[5]
     return x
 
@@ -112,31 +135,47 @@ def test_linear_a8_vnni_matches_portable_bit_for_bit(threads, bias, m, n, k):
     assert torch.equal(K.linear_a8(x, p).view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("path", A8_PATHS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 17, 7), (33, 960, 576), (9, 50, 131)])
+def test_act8_weight_undoes_the_rotation(path, bias, m, n, k):
+    """W is packed as W H / 32 and the kernel rotates x by H: the product is x W^T, to 8-bit
+    rounding (on rows with a few large channels: the rotation spreads them over their group)."""
+    K.set_path(path)
+    g = torch.Generator().manual_seed(m + n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = activations(m, k, seed=k)
+    want = torch.nn.functional.linear(x, w, b)
+    got = K.linear_a8(x, K.PackedLinear.from_float(w, b, act8=True))
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
 @pytest.mark.parametrize("path", ["portable", "avx2", "vnni", "amx"])
-def test_dispatch_takes_a8_on_vnni_only(path):
-    """act8 weights: 8-bit activations at every row count on path vnni (weight sums made inline
-    up to 4 rows, once per unit and task above: the same bits); int16 elsewhere."""
+def test_dispatch_takes_a8_for_act8_weights(path):
+    """act8 weights: 8-bit activations at every row count on every path (the weights are
+    packed rotated; weight sums made inline up to 4 rows, once per unit and task above: the
+    same bits); other weights never."""
     if K.PATHS[path] > K.PATHS[K.best_path()]:
         pytest.skip(f"CPU lacks {path}")
     K.set_path(path)
-    plain = K.PackedLinear.from_float(torch.randn(96, 200), act_bf16=False)
-    a8 = K.PackedLinear.from_float(plain.dequantized(), act_bf16=False).enable_act8()
-    assert torch.equal(a8.packed, plain.packed)
+    w = torch.randn(96, 200)
+    plain = K.PackedLinear.from_float(w, act_bf16=False)
+    a8 = K.PackedLinear.from_float(w, act_bf16=False, act8=True)
+    assert a8.act8 and a8._c.act8 == 1 and not plain.act8
     rows = activations(64, 200, seed=3)
     for m in (1, 2, 4, 5, 16, 64):
         x = rows[:m].contiguous()
         got = K.linear(x, a8)
-        if path == "vnni":
-            assert torch.equal(got, K.linear_a8(x, a8))
-            assert torch.equal(got, K.linear(rows, a8)[:m])  # independent of the batch
-            assert not torch.equal(got, K.linear(x, plain))
-        else:  # int16 activations: the weight without sums gives the same bits
-            assert torch.equal(got, K.linear(x, plain))
+        assert torch.equal(got, K.linear_a8(x, a8))
+        assert torch.equal(got, K.linear(rows, a8)[:m])  # independent of the batch
+        want = K.linear(x, plain)
+        assert not torch.equal(got, want)
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()
 
 
 def test_linear_a8_checks_k_and_takes_no_rows():
-    p = K.PackedLinear.from_float(torch.randn(16, 32))
+    p = K.PackedLinear.from_float(torch.randn(16, 32), act8=True)
     with pytest.raises(ValueError, match="features"):
         K.linear_a8(torch.randn(2, 31), p)
     assert K.linear_a8(torch.randn(0, 32), p).shape == (0, 16)
-    assert not p.act8 and p.enable_act8() is p and p.act8 and p._c.act8 == 1
