@@ -53,7 +53,7 @@ typedef struct {
     int act_bf16;
     /* 1: packed from W H / 32 (kernels.rotate_groups): every call takes gemm_a8.c, which
      * rotates each 32 k of the activations by H and quantises them to 8 bits, a scale per group
-     * (on path vnni up to ~2x the int16 kernel's speed, at a cost in accuracy) */
+     * (on path vnni faster than the int16 kernel, at a cost in accuracy) */
     int act8;
 } shmk_linear_t;
 

@@ -278,8 +278,8 @@ class PackedLinear:
 
         ``act_bf16=False`` keeps int16 activations on the AMX path too (see path "amx").
         ``arena``: place the packed weight and scales there (huge pages) instead of the heap.
-        ``act8``: every call quantises the activations to 8 bits (gemm_a8.c: 1.5-2x the int16
-        kernel's speed from ~16 rows on path "vnni", portable C elsewhere; less accurate:
+        ``act8``: every call quantises the activations to 8 bits (gemm_a8.c: faster than the int16
+        kernel from ~16 rows on path "vnni", portable C elsewhere; less accurate:
         docs/kernels.md). The kernel rotates each 32 k of a row by the Walsh-Hadamard matrix
         H before rounding, so the weight is packed as ``rotate_groups(weight)``: W H / 32,
         which that rotated row multiplies to W x."""
