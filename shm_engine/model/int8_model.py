@@ -82,9 +82,10 @@ class Int8Llama:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}")
         self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
         # NOTE: "int8" activations (each 32 k rotated by the Walsh-Hadamard matrix, a scale
-        # per group) run the layers' linear calls on vpdpbusd (a scale per 16 k measured 1.3-1.5x
-        # the int16 kernel from ~16 rows, as fast below; docs/kernels.md); every call, so a
-        # token's result does not depend on its batch.  Only path "vnni" has that kernel; the others keep int16.
+        # per group) run the layers' linear calls on vpdpbusd (a scale per 16 k measured
+        # 1.3-1.5x the int16 kernel from ~16 rows, as fast below; docs/kernels.md); every
+        # call, so a token's result does not depend on its batch.  Only path "vnni" has that
+        # kernel; the others keep int16.
         # Accuracy: docs/kernels.md, "8-bit activations".
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}")

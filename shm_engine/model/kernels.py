@@ -390,7 +390,8 @@ class PackedLinear:
         return q, s
 
     def dequantized(self) -> torch.Tensor:
-        """fp32 [n, k] = q * group scale (what the GEMM effectively multiplies by)."""
+        """fp32 [n, k] = q * group scale (what the GEMM effectively multiplies by; for an
+        ``act8`` weight, by the rotated activations: W H / 32)."""
         q, s = self.unpack()
         return (q.float() * s.repeat_interleave(32, dim=1)[:, : self.k]).contiguous()
 
