@@ -43,7 +43,8 @@ class Scheme:
     share groups); `only` gives 8 bits to one projection kind (qkv, o, gate_up, down); `rotate`
     multiplies each input's blocks of that many k, and the weights' columns alike, by the
     orthonormal Walsh-Hadamard matrix (QuaRot: exact in real numbers, it spreads an outlier over
-    its block before the activations are rounded; the rotated weights are quantised again)."""
+    its block before the activations are rounded; the rotated weights are quantised again);
+    `head8` gives the LM head 8 bits too (rotated like the layers, never smoothed)."""
 
     name: str
     bits: int
@@ -53,6 +54,7 @@ class Scheme:
     reorder: bool = False
     only: str | None = None
     rotate: int | None = None
+    head8: bool = False
 
 
 SCHEMES = {
@@ -81,6 +83,7 @@ SCHEMES = {
         Scheme("a8g32-sq0.4-rot32", 8, 32, 0.4, rotate=32),
         Scheme("a8g32-sq0.6-rot32", 8, 32, 0.6, rotate=32),
         Scheme("a8g32-sq0.5-rot32-down16", 8, 32, 0.5, True, rotate=32),
+        Scheme("a8g32-sq0.5-rot32-head8", 8, 32, 0.5, rotate=32, head8=True),
         Scheme("a8g32-rot32", 8, 32, rotate=32),
         Scheme("a8g64-sq0.5-rot64", 8, 64, 0.5, rotate=64),
         Scheme("a8g32-sq0.5-rot64", 8, 32, 0.5, rotate=64),
@@ -159,7 +162,7 @@ class StudyModel(ReferenceModel):
         s = self.scheme
         head = weight.shape[0] == self.config.vocab_size
         down = weight.shape[1] == self.config.intermediate_size
-        bits = 16 if head or (down and s.int16_down) else s.bits
+        bits = 16 if (head and not s.head8) or (down and s.int16_down) else s.bits
         if s.only is not None and not key.endswith(("." + s.only, f".{s.only}_proj.weight")):
             bits = 16
         smooth = ones = torch.ones(weight.shape[1])
@@ -172,7 +175,7 @@ class StudyModel(ReferenceModel):
         # NOTE: keyed by what was applied: a16-sq's smoothed down projection must not serve a
         # scheme that keeps the down projection unsmoothed at 16 bits
         smoothed = s.alpha if smooth is not ones else None
-        rotate = s.rotate if not head else None
+        rotate = s.rotate if not head or s.head8 else None
         cache_key = (weight.data_ptr(), bits, smoothed, s.reorder, rotate)
         if cache_key not in self._packed:
             w = weight * smooth

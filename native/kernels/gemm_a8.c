@@ -2,8 +2,9 @@
  *
  * Per weight: a shmk_linear_t with `act8` set takes this kernel for every call, on every path
  * (shmk_linear_impl; the VNNI code from path vnni up, else the portable twin; every row count,
- * so a row's result never depends on its batch).  Such weights are packed from W' = W H / 32 (kernels.PackedLinear with
- * act8: H the 32-point Walsh-Hadamard matrix on each group's columns), so W' (H x) = W x.
+ * so a row's result never depends on its batch).  Such weights are packed from W' = W H / 32
+ * (kernels.PackedLinear with act8: H the 32-point Walsh-Hadamard matrix on each group's
+ * columns), so W' (H x) = W x.
  * `vpdpbusd` multiplies 64 u8 x s8 pairs an instruction against `vpdpwssd`'s 32 int16 pairs,
  * and reads the packed quad rows as they lie (lane c = channel c's 4 k: no widening, no
  * lane-pair sums).  The price is accuracy, which two things buy back: SmoothQuant factors

@@ -1,6 +1,6 @@
 """gemm_a8.c's VNNI kernel on a CPU without AVX-512: compiled against SIMDe's emulation of the
 intrinsics (emulated/), it must give its portable twin's bits (quantiser and GEMM, ragged
-shapes, edge rows, 1 and 2 threads' splits, bias, accumulation). Runs where the SIMDe headers
+shapes, edge rows, 1 and 2 threads' splits, bias, accumulation; 768 cases). Runs where the SIMDe headers
 are installed (Debian: libsimde-dev); on VNNI CPUs test_kernels_gemm_a8.py checks the real
 instructions."""
 
@@ -36,4 +36,4 @@ def test_a8_vnni_kernel_matches_portable_under_emulation(tmp_path):
     )  # fmt: skip
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:]
-    assert out.stdout.strip().endswith("480 runs, 0 differ")
+    assert out.stdout.strip().endswith("768 runs, 0 differ")

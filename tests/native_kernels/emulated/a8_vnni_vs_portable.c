@@ -8,65 +8,93 @@
 #include "gemm_a8.c"
 #include "split.inc"
 int64_t shmk_padded_k(int64_t k) { return shmk_cdiv(k, GK) * GK; }
+
+/* ---- what gemm_a8.c takes from the rest of the library (gemm16.c, pool.c) ---- */
 static int g_path = SHMK_VNNI, g_threads = 1;
 int shmk_path(void) { return g_path; }
 int shmk_threads(void) { return g_threads; }
+
 void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t n) {
-    /* tasks in reverse, tid alternating: any order must give the same bits */
-    for (int64_t t = n - 1; t >= 0; t--) fn(ctx, t, (int)(t % 2));
+    for (int64_t t = n - 1; t >= 0; t--) fn(ctx, t, (int)(t % 2)); /* reverse order */
 }
+
 void *shmk_scratch(int slot, size_t bytes) {
-    static void *p[9]; static size_t sz[9];
-    if (sz[slot] < bytes) { free(p[slot]); p[slot] = aligned_alloc(64, (bytes + 4159) & ~(size_t)63); sz[slot] = bytes; }
+    static void *p[9];
+    static size_t sz[9];
+    if (sz[slot] < bytes) {
+        free(p[slot]);
+        p[slot] = aligned_alloc(64, (bytes + 4159) & ~(size_t)63);
+        sz[slot] = bytes;
+    }
     return p[slot];
 }
+
+/* ---- cases ---- */
 static uint32_t rs = 12345;
-static uint32_t rnd(void) { rs = rs * 1664525u + 1013904223u; return rs >> 8; }
-static float frand(void) { return ((float)(rnd() & 0xffff) / 32768.f - 1.f); }
-int main(void) {
-    const int64_t shapes[][2] = {{16, 32}, {17, 7}, {33, 131}, {960, 576}, {50, 1536}, {40, 70}};
-    const int64_t ms[] = {1, 2, 3, 4, 5, 16, 17, 24, 25, 70};
-    int bad = 0, runs = 0;
-    for (int si = 0; si < 6; si++) for (int mi = 0; mi < 10; mi++) for (int th = 1; th <= 2; th++)
-    for (int bias = 0; bias < 2; bias++) for (int accum = 0; accum < 2; accum++) {
-        const int64_t n = shapes[si][0], k = shapes[si][1], m = ms[mi];
-        const int64_t kp = shmk_padded_k(k), nb = shmk_cdiv(n, NB), G = kp / GK;
-        int8_t *packed = malloc(nb * NB * kp);
-        uint16_t *sc = malloc(nb * G * NB * 2);
-        for (int64_t i = 0; i < nb * NB * kp; i++) packed[i] = (int8_t)((int)(rnd() % 255) - 127);
-        for (int64_t i = 0; i < nb * G * NB; i++) sc[i] = (uint16_t)(0x2c00 + rnd() % 0x1000);
-        float *b = malloc(n * 4), *x = malloc(m * k * 4), *y0 = malloc(m * n * 4), *y1 = malloc(m * n * 4);
-        for (int64_t i = 0; i < n; i++) b[i] = frand();
-        for (int64_t i = 0; i < m * k; i++) x[i] = frand() * ((rnd() % 40) ? 1.f : 30.f);
-        /* edge rows */
-        if (m > 1) for (int64_t t = 0; t < k; t++) x[1 * k + t] = 0.f;
-        if (m > 2) for (int64_t t = 0; t < k; t++) x[2 * k + t] = 1e-35f;
-        if (m > 3) for (int64_t t = 0; t < k; t += 3) x[3 * k + t] = NAN;
-        if (m > 4) x[4 * k] = INFINITY;
-        if (m > 5) for (int64_t t = 0; t < k && t < 32; t++) x[5 * k + t] = (float)(t % 3) - 1.f;
-        if (m > 6) for (int64_t t = 0; t < k && t < 32; t++) x[6 * k + t] = 2.5f;
-        for (int64_t i = 0; i < m * n; i++) y0[i] = y1[i] = frand();
-        shmk_linear_t w = {.n = n, .k = k, .packed = packed, .scales = sc, .scale_mult = 0.5f,
-                           .bias = bias ? b : NULL, .act_bf16 = 0, .act8 = 1};
-        g_threads = th;
-        g_path = SHMK_PORTABLE; linear_a8(SHMK_PORTABLE, &w, x, m, y0, accum);
-        g_path = SHMK_VNNI; linear_a8(SHMK_VNNI, &w, x, m, y1, accum);
-        runs++;
-        if (memcmp(y0, y1, m * n * 4)) {
-            bad++;
-            for (int64_t i = 0; i < m * n; i++) if (memcmp(&y0[i], &y1[i], 4)) {
-                printf("DIFF n=%ld k=%ld m=%ld th=%d bias=%d acc=%d at row %ld col %ld: %g vs %g\n",
-                       n, k, m, th, bias, accum, i / n, i % n, y0[i], y1[i]);
-                break;
-            }
-        }
-        /* quantiser alone */
-        uint8_t *q0 = malloc(m * kp), *q1 = malloc(m * kp); float *s0 = malloc(m * G * 4), *s1 = malloc(m * G * 4);
-        quant_rows(SHMK_PORTABLE, x, 0, m, k, q0, s0); quant_rows(SHMK_VNNI, x, 0, m, k, q1, s1);
-        if (memcmp(q0, q1, m * kp) || memcmp(s0, s1, m * G * 4)) { bad++; printf("QDIFF n=%ld k=%ld m=%ld\n", n, k, m); }
-        free(q0); free(q1); free(s0); free(s1);
-        free(packed); free(sc); free(b); free(x); free(y0); free(y1);
+static uint32_t rnd(void) { return (rs = rs * 1664525u + 1013904223u) >> 8; }
+static float frand(void) { return (float)(rnd() & 0xffff) / 32768.f - 1.f; }
+
+/* rows 1.. are edge rows: zeros, below the smallest usable max, NaNs, an inf, rotation ties,
+ * a constant group, values whose rotated sums overflow fp32; the rest have a few large k */
+static void fill_rows(float *x, int64_t m, int64_t k) {
+    for (int64_t i = 0; i < m * k; i++) x[i] = frand() * ((rnd() % 40) ? 1.f : 30.f);
+    for (int64_t t = 0; t < k; t++) {
+        if (m > 1) x[1 * k + t] = 0.f;
+        if (m > 2) x[2 * k + t] = 1e-35f;
+        if (m > 3 && t % 3 == 0) x[3 * k + t] = NAN;
+        if (m > 5 && t < 32) x[5 * k + t] = (float)(t % 3) - 1.f;
+        if (m > 6 && t < 32) x[6 * k + t] = 2.5f;
+        if (m > 7 && t % 5 == 0) x[7 * k + t] = 3e37f;
     }
+    if (m > 4) x[4 * k] = INFINITY;
+}
+
+/* 1 if the VNNI kernel (or its quantiser) and the portable one differ in any bit */
+static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int accum) {
+    const int64_t kp = shmk_padded_k(k), nb = shmk_cdiv(n, NB), G = kp / GK;
+    int8_t *packed = malloc(nb * NB * kp);
+    uint16_t *scales = malloc(nb * G * NB * sizeof(uint16_t));
+    float *b = malloc(n * sizeof(float)), *x = malloc(m * k * sizeof(float));
+    float *y0 = malloc(m * n * sizeof(float)), *y1 = malloc(m * n * sizeof(float));
+    uint8_t *q0 = malloc(m * kp), *q1 = malloc(m * kp);
+    float *s0 = malloc(m * G * sizeof(float)), *s1 = malloc(m * G * sizeof(float));
+    for (int64_t i = 0; i < nb * NB * kp; i++) packed[i] = (int8_t)((int)(rnd() % 255) - 127);
+    for (int64_t i = 0; i < nb * G * NB; i++) scales[i] = (uint16_t)(0x2c00 + rnd() % 0x1000);
+    for (int64_t i = 0; i < n; i++) b[i] = frand();
+    fill_rows(x, m, k);
+    for (int64_t i = 0; i < m * n; i++) y0[i] = y1[i] = frand();
+    shmk_linear_t w = {.n = n, .k = k, .packed = packed, .scales = scales, .scale_mult = 0.5f,
+                       .bias = bias ? b : NULL, .act_bf16 = 0, .act8 = 1};
+    g_threads = threads;
+    g_path = SHMK_PORTABLE;
+    linear_a8(SHMK_PORTABLE, &w, x, m, y0, accum);
+    quant_rows(SHMK_PORTABLE, x, 0, m, k, q0, s0);
+    g_path = SHMK_VNNI;
+    linear_a8(SHMK_VNNI, &w, x, m, y1, accum);
+    quant_rows(SHMK_VNNI, x, 0, m, k, q1, s1);
+    int bad = memcmp(q0, q1, m * kp) || memcmp(s0, s1, m * G * sizeof(float));
+    for (int64_t i = 0; i < m * n && !bad; i++)
+        if (memcmp(&y0[i], &y1[i], sizeof(float))) {
+            printf("differ: n=%ld k=%ld m=%ld threads=%d bias=%d accum=%d row %ld col %ld: %g %g\n",
+                   (long)n, (long)k, (long)m, threads, bias, accum, (long)(i / n), (long)(i % n),
+                   y0[i], y1[i]);
+            bad = 1;
+        }
+    free(packed), free(scales), free(b), free(x), free(y0), free(y1);
+    free(q0), free(q1), free(s0), free(s1);
+    return bad;
+}
+
+int main(void) {
+    const int64_t shapes[][2] = {{16, 32}, {17, 7},    {33, 131}, {960, 576},
+                                 {50, 1536}, {40, 70}, {20, 1},   {24, 4096}};
+    const int64_t ms[] = {1, 2, 3, 4, 5, 8, 16, 17, 24, 25, 70, 100};
+    int runs = 0, bad = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++)
+            for (int threads = 1; threads <= 2; threads++)
+                for (int flags = 0; flags < 4; flags++, runs++)
+                    bad += differs(shapes[s][0], shapes[s][1], ms[i], threads, flags & 1, flags >> 1);
     printf("%d runs, %d differ\n", runs, bad);
     return bad != 0;
 }
