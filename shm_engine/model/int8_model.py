@@ -13,6 +13,7 @@ head's own when the embeddings are tied, so the vocabulary-sized matrix is resid
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -25,6 +26,8 @@ from shm_engine.model.hugepages import HugeArena
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype
 from shm_engine.model.loader import WeightSource
 from shm_engine.model.smoothing import LayerCalibrator, LayerWeights, smooth_layer
+
+logger = logging.getLogger(__name__)
 
 
 def _trim_heap() -> None:
@@ -91,6 +94,13 @@ class Int8Llama:
             raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}")
         self.smoothed = bool(calibration_ids)
         self.activation_dtype = activation_dtype
+        self._act8 = activation_dtype == "int8" and kernels.get_path() == "vnni"
+        if activation_dtype == "int8" and not self._act8:
+            logger.warning(
+                "activation_dtype='int8': kernel path %r has no 8-bit kernel (it needs "
+                "AVX512-VNNI without AMX); the layers keep int16 activations",
+                kernels.get_path(),
+            )
         check_kv_dtype(self.kv_dtype, config.head_dim)
         if num_threads:
             kernels.set_num_threads(num_threads)
@@ -188,7 +198,7 @@ class Int8Llama:
         every path, for calibration."""
         c = self.config
         arena = None if probe else self._arena
-        act8 = self.activation_dtype == "int8" and not probe and kernels.get_path() == "vnni"
+        act8 = self._act8 and not probe
 
         def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16: bool = True):
             return kernels.PackedLinear.from_float(
