@@ -51,9 +51,9 @@ typedef struct {
      * 0: always int16 activations (for inputs whose range bf16 serves badly; on AMX machines
      * those run on int8 tiles from 9 rows, with the same results: gemm_amx8.c) */
     int act_bf16;
-    /* 1: packed from W H / 32 (kernels.rotate_groups): every call takes gemm_a8.c, which
-     * rotates each 32 k of the activations by H and quantises them to 8 bits, a scale per group
-     * (on path vnni faster than the int16 kernel, at a cost in accuracy) */
+    /* 1: packed from W H / 32 (kernels.rotate_groups), each byte + 128: every call takes
+     * gemm_a8.c, which rotates each 32 k of the activations by H and quantises them to 8 bits,
+     * a scale per group (on path vnni faster than the int16 kernel, at a cost in accuracy) */
     int act8;
 } shmk_linear_t;
 
@@ -72,8 +72,8 @@ void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
 
 /* ---- W8 x A8 GEMM (gemm_a8.c) on weights packed rotated, opt-in per weight ---- */
 /* activations: each 32 k (zero padded) times the Walsh-Hadamard matrix H, then
- * xu[m][kp] = 128 + int8 per group, scales[m][kp/32] */
-void shmk_quantize_rows_a8(const float *x, int64_t m, int64_t k, uint8_t *xu, float *scales);
+ * xq[m][kp] = int8 per group, scales[m][kp/32] */
+void shmk_quantize_rows_a8(const float *x, int64_t m, int64_t k, int8_t *xq, float *scales);
 /* y[m,n] = (H x) @ dequant(W)^T (+ bias) on 8-bit activations at any m (whatever w->act8 says):
  * the VNNI kernel on paths vnni / amx, else the portable one (the same bits) */
 void shmk_linear_a8(const float *x, int64_t m, const shmk_linear_t *w, float *y);

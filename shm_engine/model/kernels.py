@@ -282,7 +282,7 @@ class PackedLinear:
         kernel from ~16 rows on path "vnni", portable C elsewhere; less accurate:
         docs/kernels.md). The kernel rotates each 32 k of a row by the Walsh-Hadamard matrix
         H before rounding, so the weight is packed as ``rotate_groups(weight)``: W H / 32,
-        which that rotated row multiplies to W x."""
+        which that rotated row multiplies to W x; its bytes are stored + 128."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
         if not weight.is_floating_point():
@@ -295,6 +295,9 @@ class PackedLinear:
         if act8:
             w = rotate_groups(w)  # [n, kp]: the padded columns are no longer zeros
         mult = float(lib.shmk_pack_weights(_f32(w), n, w.shape[1], _i8(packed), _u16(scales)))
+        if act8:
+            # NOTE: + 128 (mod 256): stored as u8, vpdpbusd's unsigned operand (gemm_a8.c)
+            packed.bitwise_xor_(-128)
         b = None
         if bias is not None:
             b = _cpu_f32(bias)
@@ -369,6 +372,7 @@ class PackedLinear:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [len(ids), k]: the output channels ``ids`` dequantised (an embedding lookup;
         ``model_forward`` does the same in C)."""
+        _not_act8(self)
         ids = _as_i64(ids, "ids")
         if ids.dim() != 1:
             raise ValueError("ids must be 1-D")
@@ -387,6 +391,8 @@ class PackedLinear:
         lib.shmk_unpack_weights(
             _i8(self.packed), _u16(self.scales), self.scale_mult, self.n, k, _i8(q), _f32(s)
         )
+        if self.act8:
+            q.bitwise_xor_(-128)  # stored + 128
         return q, s
 
     def dequantized(self) -> torch.Tensor:
@@ -413,9 +419,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scales
 
 
+def _not_act8(w: PackedLinear) -> None:
+    if w.act8:
+        raise ValueError("an act8 weight is stored rotated and + 128: only linear() reads it")
+
+
 def group_dots(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """Exact int32 group dot products dots[m, n, g] = xq[:, 32g:32g+32] @ q[:, 32g:32g+32]^T."""
     _check(xq, "xq", torch.int16, 2)
+    _not_act8(w)
     if xq.shape[1] != w.kp:
         raise ValueError(f"xq must have {w.kp} columns (padded k of {w.k}), got {xq.shape[1]}")
     m = xq.shape[0]
@@ -445,14 +457,14 @@ def rotate_groups(w: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 8-bit GEMM's activations: each group of 32 k (zero padded) rotated by the
-    Walsh-Hadamard matrix, then int8 with a scale per group: (xu uint8 [m, padded_k(k)] =
-    128 + q, scales fp32 [m, padded_k(k) / 32])."""
+    Walsh-Hadamard matrix, then int8 with a scale per group: (q int8 [m, padded_k(k)],
+    scales fp32 [m, padded_k(k) / 32])."""
     _check(x, "x", torch.float32, 2)
     m, k = x.shape
-    xu = torch.empty(m, padded_k(k), dtype=torch.uint8)
+    xq = torch.empty(m, padded_k(k), dtype=torch.int8)
     scales = torch.empty(m, padded_k(k) // 32, dtype=torch.float32)
-    lib.shmk_quantize_rows_a8(_f32(x), m, k, ffi.cast("uint8_t *", xu.data_ptr()), _f32(scales))
-    return xu, scales
+    lib.shmk_quantize_rows_a8(_f32(x), m, k, _i8(xq), _f32(scales))
+    return xq, scales
 
 
 def linear_a8(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:

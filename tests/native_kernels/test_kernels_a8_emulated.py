@@ -29,11 +29,12 @@ def test_a8_vnni_kernel_matches_portable_under_emulation(tmp_path):
     start = pool.index("shmk_split_plan shmk_split_units(")
     (tmp_path / "split.inc").write_text(pool[start : pool.index("/* ---- thread-local scratch")])
     exe = tmp_path / "a8_emulated"
-    subprocess.run(
+    built = subprocess.run(
         ["gcc", "-O1", "-std=gnu11", f"-I{HERE}", f"-I{tmp_path}", "-o", str(exe),
          str(HERE / "a8_vnni_vs_portable.c"), "-lm"],
-        check=True, capture_output=True, timeout=300,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:]
     assert out.stdout.strip().endswith("768 runs, 0 differ")

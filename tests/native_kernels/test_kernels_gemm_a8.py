@@ -51,7 +51,7 @@ def test_ref_rotate_is_the_hadamard_product():
 
 def ref_quant_a8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """numpy reference: each group of 32 k (zero padded) rotated, then int8 per group (fp32,
-    round half to even, NaN -> 0, groups with max < 2^-100 zero with scale 0), stored + 128."""
+    round half to even, NaN -> 0, groups with max < 2^-100 zero with scale 0)."""
     m, k = x.shape
     kp = -(-k // 32) * 32
     xs = np.zeros((m, kp), np.float32)
@@ -64,14 +64,14 @@ def ref_quant_a8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         q = np.rint(spans * (np.float32(127) / safe)[..., None])
     q = np.where(np.isnan(q) | ~live[..., None], 0, q).astype(np.int64)
     scales = np.where(live, amax / np.float32(127), np.float32(0)).astype(np.float32)
-    return (q + 128).reshape(m, kp).astype(np.uint8), scales
+    return q.reshape(m, kp).astype(np.int8), scales
 
 
 def exact_reference(x: torch.Tensor, p: K.PackedLinear) -> torch.Tensor:
     """float64 from exact int64 dots per group (the padding included: rotated, it is not
     zero), each times its weight and activation scales."""
-    xu, sx = K.quantize_rows_a8(x)
-    xq = xu.to(torch.int64) - 128
+    xq, sx = K.quantize_rows_a8(x)
+    xq = xq.to(torch.int64)
     q, gscale = p.unpack(padded=True)
     q = q.to(torch.int64)
     y = torch.zeros(x.shape[0], p.n, dtype=torch.float64)
@@ -99,9 +99,9 @@ def _edge_rows(k: int) -> torch.Tensor:
 def test_quantize_a8_exact(path, k):
     K.set_path(path)
     x = _edge_rows(k)
-    xu, sx = K.quantize_rows_a8(x)
-    want_u, want_s = ref_quant_a8(x.numpy())
-    assert np.array_equal(xu.numpy(), want_u)
+    xq, sx = K.quantize_rows_a8(x)
+    want_q, want_s = ref_quant_a8(x.numpy())
+    assert np.array_equal(xq.numpy(), want_q)
     assert np.array_equal(sx.numpy(), want_s)
 
 
@@ -163,6 +163,13 @@ def test_dispatch_takes_a8_for_act8_weights(path):
     plain = K.PackedLinear.from_float(w, act_bf16=False)
     a8 = K.PackedLinear.from_float(w, act_bf16=False, act8=True)
     assert a8.act8 and a8._c.act8 == 1 and not plain.act8
+    # stored rotated and + 128: what reads channels or group dots refuses it
+    with pytest.raises(ValueError, match="act8"):
+        a8.lookup(torch.tensor([0]))
+    with pytest.raises(ValueError, match="act8"):
+        K.group_dots(torch.zeros(1, a8.kp, dtype=torch.int16), a8)
+    q, _ = a8.unpack(padded=True)
+    assert q.abs().max() <= 127  # the offset taken back
     rows = activations(64, 200, seed=3)
     for m in (1, 2, 4, 5, 16, 64):
         x = rows[:m].contiguous()

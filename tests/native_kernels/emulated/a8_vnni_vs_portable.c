@@ -56,8 +56,9 @@ static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int a
     uint16_t *scales = malloc(nb * G * NB * sizeof(uint16_t));
     float *b = malloc(n * sizeof(float)), *x = malloc(m * k * sizeof(float));
     float *y0 = malloc(m * n * sizeof(float)), *y1 = malloc(m * n * sizeof(float));
-    uint8_t *q0 = malloc(m * kp), *q1 = malloc(m * kp);
+    int8_t *q0 = malloc(m * kp), *q1 = malloc(m * kp);
     float *s0 = malloc(m * G * sizeof(float)), *s1 = malloc(m * G * sizeof(float));
+    int32_t *v0 = malloc(m * G * sizeof(int32_t)), *v1 = malloc(m * G * sizeof(int32_t));
     for (int64_t i = 0; i < nb * NB * kp; i++) packed[i] = (int8_t)((int)(rnd() % 255) - 127);
     for (int64_t i = 0; i < nb * G * NB; i++) scales[i] = (uint16_t)(0x2c00 + rnd() % 0x1000);
     for (int64_t i = 0; i < n; i++) b[i] = frand();
@@ -68,11 +69,12 @@ static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int a
     g_threads = threads;
     g_path = SHMK_PORTABLE;
     linear_a8(SHMK_PORTABLE, &w, x, m, y0, accum);
-    quant_rows(SHMK_PORTABLE, x, 0, m, k, q0, s0);
+    quant_rows(SHMK_PORTABLE, x, 0, m, k, q0, s0, v0);
     g_path = SHMK_VNNI;
     linear_a8(SHMK_VNNI, &w, x, m, y1, accum);
-    quant_rows(SHMK_VNNI, x, 0, m, k, q1, s1);
-    int bad = memcmp(q0, q1, m * kp) || memcmp(s0, s1, m * G * sizeof(float));
+    quant_rows(SHMK_VNNI, x, 0, m, k, q1, s1, v1);
+    int bad = memcmp(q0, q1, m * kp) || memcmp(s0, s1, m * G * sizeof(float)) ||
+              memcmp(v0, v1, m * G * sizeof(int32_t));
     for (int64_t i = 0; i < m * n && !bad; i++)
         if (memcmp(&y0[i], &y1[i], sizeof(float))) {
             printf("differ: n=%ld k=%ld m=%ld threads=%d bias=%d accum=%d row %ld col %ld: %g %g\n",
@@ -81,7 +83,7 @@ static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int a
             bad = 1;
         }
     free(packed), free(scales), free(b), free(x), free(y0), free(y1);
-    free(q0), free(q1), free(s0), free(s1);
+    free(q0), free(q1), free(s0), free(s1), free(v0), free(v1);
     return bad;
 }
 

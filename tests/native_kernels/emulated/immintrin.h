@@ -19,6 +19,11 @@ static inline float _mm512_reduce_max_ps(__m512 v) {
     for (int i = 1; i < 16; i++) m = v_[i] > m ? v_[i] : m; /* vmaxps tree: no NaN here */
     return m;
 }
+static inline int _mm512_reduce_add_epi32(__m512i v) {
+    LANES_I(v); int32_t t = 0;
+    for (int i = 0; i < 16; i++) t += v_[i];
+    return t;
+}
 static inline __m512i _mm512_maskz_cvtps_epi32(__mmask16 k, __m512 v) {
     LANES_F(v); int32_t r[16];
     for (int i = 0; i < 16; i++) r[i] = (k >> i & 1) ? (int32_t)nearbyintf(v_[i]) : 0;
