@@ -59,23 +59,38 @@ class SampledTokens:
 
 
 class _WaitingQueue:
-    """FCFS deque or priority heap behind one interface."""
+    """FCFS deque or priority heap behind one interface.
+
+    NOTE: removal is lazy (O(1)): a removed request stays in the container, marked, until it
+    reaches the front. Removing from the middle of a deque or heap scans it, and a client that
+    sends 100k prompts and goes away aborts them one by one: quadratic, minutes of engine time
+    (found by a fuzzing review)."""
 
     def __init__(self, policy: str) -> None:
         self.priority = policy == "priority"
         self._items: list[Request] | deque[Request] = [] if self.priority else deque()
+        self._removed: set[Request] = set()
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) - len(self._removed)
 
     def __iter__(self):
-        return iter(self._items)
+        return (r for r in self._items if r not in self._removed)
+
+    def _drop_removed_front(self) -> None:
+        while self._items and self._items[0] in self._removed:
+            self._removed.discard(self._take())
+
+    def _take(self) -> Request:
+        return heapq.heappop(self._items) if self.priority else self._items.popleft()
 
     def peek(self) -> Request:
+        self._drop_removed_front()
         return self._items[0]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._items) if self.priority else self._items.popleft()
+        self._drop_removed_front()
+        return self._take()
 
     def add(self, req: Request) -> None:
         if self.priority:
@@ -91,9 +106,7 @@ class _WaitingQueue:
             self._items.appendleft(req)
 
     def remove(self, req: Request) -> None:
-        self._items.remove(req)
-        if self.priority:
-            heapq.heapify(self._items)
+        self._removed.add(req)
 
 
 class Scheduler:

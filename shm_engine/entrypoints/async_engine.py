@@ -322,6 +322,7 @@ class AsyncLLM:
                     if stream is not None:
                         stream.put(r)
         except EngineDeadError as e:
+            logger.error("engine is dead: %s", e)
             self._fail_all(e)
         except asyncio.CancelledError:
             self._fail_all(EngineDeadError("the server is shutting down"))

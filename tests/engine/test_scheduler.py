@@ -247,6 +247,25 @@ def test_abort_frees_blocks_at_once():
     assert out.empty and sorted(out.finished_ids) == ["a", "b"]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_aborting_waiting_requests_one_by_one_keeps_the_order_of_the_rest(policy):
+    """Waiting requests are removed lazily (O(1) each: 100k prompts of a client that went away
+    had taken minutes one by one); the rest keep their order, counts and admission."""
+    s = make_scheduler(max_seqs=2, budget=8, scheduling_policy=policy)
+    for i in range(2000):
+        s.add_request(make_request(f"r{i}", [1, 2, 3], priority=-i, arrival=float(i)))
+    keep = {"r5", "r1500", "r1999"}
+    for i in range(2000):
+        if f"r{i}" not in keep:
+            assert s.abort_requests([f"r{i}"]) == [f"r{i}"]
+    assert len(s.waiting) == 3
+    want = ["r5", "r1500", "r1999"] if policy == "fcfs" else ["r1999", "r1500", "r5"]
+    assert [r.request_id for r in s.waiting] == want
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == want[:2]
+    assert len(s.waiting) == 1 and s.waiting.peek().request_id == want[2]
+
+
 def test_abort_of_a_request_in_flight_drops_its_result():
     s = make_scheduler(block_size=4)
     s.add_request(make_request("a", [1, 2, 3], max_tokens=5))
