@@ -260,6 +260,18 @@ def test_null_fields_mean_their_defaults(fake) -> None:
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
 
 
+def test_one_request_may_ask_for_at_most_1024_sequences(fake):
+    """prompts x n: each sequence is an engine request, added and aborted on the event loop (a
+    body of 100k one-token prompts had stalled every other request for seconds)."""
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    for body in ({"prompt": [[1]] * 100_000}, {"prompt": [[1]] * 9, "n": 128}):
+        r = client.post("/v1/completions", json={**body, "max_tokens": 1})
+        assert r.status_code == 400 and "at most 1024 sequences" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": [[1]] * 8, "n": 128, "max_tokens": 1})
+    assert r.status_code == 200, r.text  # at the limit
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "field"),
     [
