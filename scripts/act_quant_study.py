@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from shm_engine.model.eval_texts import CALIBRATION_TEXT, EVAL_TEXTS
+from shm_engine.model.kernels import hadamard
 from shm_engine.model.loader import load_model
 from shm_engine.model.reference import ReferenceModel
 
@@ -97,18 +98,11 @@ def quantize_weight(w: torch.Tensor) -> torch.Tensor:
     return fake_quant(w, 127, 32)
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal Walsh-Hadamard matrix of order n (a power of two); symmetric, H H = I."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
-
-
 def rotate_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """x's rows times blockdiag(H, H, ...): each run of `block` k rotated on its own."""
     rows, k = x.shape
-    return (x.reshape(rows, k // block, block) @ hadamard(block)).reshape(rows, k)
+    h = hadamard(block) / math.sqrt(block)  # orthonormal: symmetric, h h = I
+    return (x.reshape(rows, k // block, block) @ h).reshape(rows, k)
 
 
 def fake_quant(x: torch.Tensor, limit: int, group: int | None) -> torch.Tensor:
