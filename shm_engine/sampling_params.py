@@ -12,6 +12,12 @@ import msgspec
 
 _GREEDY_EPS = 1e-5
 
+# Every stop string is searched for after every output token, and every stop token id is looked
+# up in the engine each step: unbounded lists let one request slow every other one's stream.
+# OpenAI takes 4 stop strings; these bounds leave room for vLLM-style clients.
+MAX_STOP_STRINGS = 128
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
     n: int = 1
@@ -103,8 +109,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             )
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
 

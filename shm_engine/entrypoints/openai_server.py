@@ -56,11 +56,11 @@ from shm_engine.entrypoints.openai_protocol import (
     HEALTH_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
-    count_chat_messages,
+    screen_counts,
     without_validation_422,
 )
 from shm_engine.model.loader import ModelInfo
-from shm_engine.sampling_params import SamplingParams
+from shm_engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -220,16 +220,21 @@ class OpenAIServer:
         """Why a large body is refused before validation, or None (see HotRoutes).
 
         A chat with more messages than the context has tokens cannot fit (every message takes
-        at least one), and validating 300k of them held the event loop for 2 s.
+        at least one), and validating 300k of them held the event loop for 2 s; 2.5M stop
+        strings (31 MB) held it for 15 s before SamplingParams refused them.
         """
-        if path != "/v1/chat/completions":
+        counts = screen_counts(body)
+        if counts is None:
             return None
-        n, limit = count_chat_messages(body), self.engine.max_model_len
-        if n is None or n <= limit:
+        messages, stops = counts
+        if stops > MAX_STOP_STRINGS:
+            return f"stop takes at most {MAX_STOP_STRINGS} strings, got {stops}"
+        limit = self.engine.max_model_len
+        if path != "/v1/chat/completions" or messages <= limit:
             return None
         return (
             f"This model's maximum context length is {limit} tokens, but the conversation has "
-            f"{n} messages, more than {limit} tokens can hold."
+            f"{messages} messages, more than {limit} tokens can hold."
         )
 
     def check_model(self, model: str | None) -> None:

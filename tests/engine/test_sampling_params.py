@@ -26,6 +26,7 @@ def test_vllm_spellings_are_normalised() -> None:
      ({"repetition_penalty": 0.0}, "repetition_penalty"),
      ({"repetition_penalty": float("inf")}, "repetition_penalty"),
      ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+     ({"stop": ["x"] * 129}, "stop"), ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
      ({"min_tokens": 5, "max_tokens": 4}, "min_tokens")],
 )  # fmt: skip
 def test_invalid_values_name_their_field(kwargs: dict, field: str) -> None:

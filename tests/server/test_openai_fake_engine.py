@@ -489,6 +489,33 @@ def test_a_conversation_with_more_messages_than_tokens_is_refused_unvalidated(
     assert len(validated) == 1
 
 
+def test_a_large_body_of_many_stop_strings_is_refused_before_validation(fake, monkeypatch) -> None:
+    # 2.5M stop strings (31 MB) held the event loop for 15 s in validation.
+    client, _ = fake
+    validated = []
+    for model in (openai_server.ChatCompletionRequest, openai_server.CompletionRequest):
+
+        def spy(body, *args, _real=model.model_validate_json, **kwargs):
+            validated.append(len(body))
+            return _real(body, *args, **kwargs)
+
+        monkeypatch.setattr(model, "model_validate_json", spy)
+    stop = ["ab"] * 300_000  # 1.8 MB
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stop": stop}
+    for path, body in (
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", {"prompt": "hi", "stop": stop}),
+    ):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert "at most 128 strings, got 300000" in r.json()["error"]["message"]
+    assert validated == []
+    # Under the screen's size, SamplingParams gives the same answer.
+    r = client.post("/v1/completions", json={"prompt": "hi", "stop": ["ab"] * 129})
+    assert r.status_code == 400 and "at most 128 strings, got 129" in r.json()["error"]["message"]
+    assert len(validated) == 1
+
+
 def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
     engine = FakeEngine(max_model_len=1 << 20)
     server = openai_server.OpenAIServer(engine, ServerMetrics("m"), "m")
