@@ -37,7 +37,7 @@ from shm_engine.model.reference import ReferenceModel
 
 @dataclass(frozen=True)
 class Scheme:
-    """Activations: `bits` (8 or 16), scaled per token or per `group` consecutive k; optional
+    """Activations: `bits` (7, 8 or 16), scaled per token or per `group` consecutive k; optional
     SmoothQuant strength `alpha` (with 16 bits too: what the int16 kernel would get from weights
     packed smoothed for an 8-bit one); `int16_down` keeps the down projection's input at 16
     bits; `reorder` sorts each input's channels by their calibrated max |x| (so outlier channels
@@ -89,6 +89,15 @@ SCHEMES = {
         Scheme("a8g64-sq0.5-rot64", 8, 64, 0.5, rotate=64),
         Scheme("a8g32-sq0.5-rot64", 8, 32, 0.5, rotate=64),
         Scheme("a8-sq0.5-rot64", 8, None, 0.5, rotate=64),
+        # 7 bits: what AVX2's vpmaddubsw takes without saturating (u7 x s8, as fbgemm's
+        # reduce_range), 3 vector ops per 32 products against int16's ~4.7
+        Scheme("a7g32-sq0.5-rot32", 7, 32, 0.5, rotate=32),
+        Scheme("a7g32-rot32", 7, 32, rotate=32),
+        Scheme("a7g16-sq0.5-rot16", 7, 16, 0.5, rotate=16),
+        Scheme("a7g16-sq0.5-rot32", 7, 16, 0.5, rotate=32),
+        Scheme("a7g32-sq0.6-rot32", 7, 32, 0.6, rotate=32),
+        Scheme("a7g32-sq0.4-rot32", 7, 32, 0.4, rotate=32),
+        Scheme("a7g32-sq0.5-rot32-down16", 7, 32, 0.5, True, rotate=32),
     ]
 }
 
@@ -160,7 +169,7 @@ class StudyModel(ReferenceModel):
         if s.only is not None and not key.endswith(("." + s.only, f".{s.only}_proj.weight")):
             bits = 16
         smooth = ones = torch.ones(weight.shape[1])
-        if s.alpha is not None and not head and (bits == 8 or s.bits == 16):
+        if s.alpha is not None and not head and (bits < 16 or s.bits == 16):
             smooth = self._xmax[key].clamp(min=1e-5) ** s.alpha
             smooth = smooth / self._wmax[key].clamp(min=1e-5) ** (1 - s.alpha)
         perm = None
@@ -183,7 +192,7 @@ class StudyModel(ReferenceModel):
             xs = xs[:, perm]
         if rotate:
             xs = rotate_blocks(xs, rotate)
-        xq = fake_quant(xs, 2 ** (bits - 1) - 1, s.group if bits == 8 else None)
+        xq = fake_quant(xs, 2 ** (bits - 1) - 1, s.group if bits < 16 else None)
         y = F.linear(xq, self._packed[cache_key], bias)
         return y.reshape(*x.shape[:-1], -1)
 
