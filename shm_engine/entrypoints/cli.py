@@ -212,7 +212,7 @@ def serve_config(args):
 def cmd_serve(args) -> int:
     from shm_engine.engine.config import check_max_model_len
     from shm_engine.engine.dp_client import split_cores
-    from shm_engine.entrypoints.openai_server import serve
+    from shm_engine.entrypoints.api_server import serve
     from shm_engine.model.loader import load_model_info
 
     config = serve_config(args)

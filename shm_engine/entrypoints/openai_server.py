@@ -1,41 +1,28 @@
-"""OpenAI-compatible HTTP server: FastAPI on uvicorn in the frontend process.
-
-    shm-engine serve --host 127.0.0.1 --port 8000 [--model PATH]
-
-Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
-``/health`` (503 once the engine is dead), ``/metrics`` (Prometheus).
+"""OpenAI-compatible API logic: OpenAI requests become AsyncLLM requests and outputs become
+OpenAI responses (JSON or SSE chunks). The app and process around it are api_server.py's.
 
 Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for
 invalid parameters, messages the chat template refuses and prompts that do not fit the context,
-404 for an unknown model or path, 405 for a wrong method, 503 when the engine is gone. No request
-error takes the server down. A client that disconnects has its request
-aborted in the engine: streaming responses are cancelled by ``_SSEResponse``'s disconnect
-watcher, non-streaming ones race the generation against ``http.disconnect``.
+404 for an unknown model, 503 when the engine is gone. No request error takes the server down.
+A client that disconnects has its request aborted in the engine: streaming responses are
+cancelled by ``SSEResponse``'s disconnect watcher, non-streaming ones race the generation
+against ``http.disconnect`` (streaming.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import logging
-import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import jinja2
 import msgspec
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 
-from shm_engine.engine.client import EngineDeadError
-from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import CompletionOutput, RequestOutput
 from shm_engine.entrypoints.async_engine import (
     AsyncLLM,
@@ -43,8 +30,15 @@ from shm_engine.entrypoints.async_engine import (
     RequestHandle,
     check_token_ids,
 )
-from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
-from shm_engine.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from shm_engine.entrypoints.metrics import ServerMetrics
+from shm_engine.entrypoints.openai_errors import (
+    APIError,
+    ClientDisconnected,
+    bad_request,
+    engine_dead,
+    error_body,
+    to_api_error,
+)
 from shm_engine.entrypoints.openai_logprobs import (
     LogprobCursor,
     LogprobFormatter,
@@ -52,69 +46,17 @@ from shm_engine.entrypoints.openai_logprobs import (
     vllm_prompt_logprobs,
 )
 from shm_engine.entrypoints.openai_protocol import (
-    GENERATION_RESPONSES,
-    HEALTH_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
     screen_counts,
-    without_validation_422,
 )
-from shm_engine.model.loader import ModelInfo
+from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
 from shm_engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _json = msgspec.json.Encoder()
 _SSE_DONE = b"data: [DONE]\n\n"
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away mid-stream (its requests are aborted)."""
-
-
-def _error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> Response:
-    return JSONResponse(_error_body(status, message, type_, param), status_code=status)
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param)
-
-
-def engine_dead(message: str = "") -> APIError:
-    return APIError(503, message or "the engine is not running", "service_unavailable")
-
-
-def _to_api_error(e: BaseException) -> APIError:
-    """The HTTP error of an exception; only unexpected ones (500) are logged, with a traceback."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, EngineDeadError):
-        return engine_dead(str(e))
-    if isinstance(e, ClientDisconnected):
-        return APIError(499, "client disconnected", "client_closed_request")
-    if isinstance(e, ValueError | TypeError):
-        return bad_request(str(e))
-    # NOTE: a syntax error is the model's template being broken (a server fault, below); any
-    # other template error is the template refusing these messages (raise_exception: "roles
-    # must alternate", ...), i.e. the client's request.
-    if isinstance(e, jinja2.TemplateError) and not isinstance(e, jinja2.TemplateSyntaxError):
-        return bad_request(f"the chat template rejected the messages: {e}", "messages")
-    logger.exception("request failed", exc_info=e)
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
 # --------------------------------------------------------------------------- per-request state
@@ -161,8 +103,8 @@ def _sse_chunk(
 
 def _sse_error(e: BaseException) -> bytes:
     """A failure after the stream started: an error event (the status line is already sent)."""
-    err = _to_api_error(e)
-    return b"data: " + _json.encode(_error_body(err.status, err.message, err.type)) + b"\n\n"
+    err = to_api_error(e)
+    return b"data: " + _json.encode(error_body(err.status, err.message, err.type)) + b"\n\n"
 
 
 # NOTE: prompts x n of one completion request. Each is an engine request, tokenised, added
@@ -460,10 +402,10 @@ class OpenAIServer:
         params = req.sampling_params(self.engine.sampling_defaults)
         prompts = await self._prompts_from_completion(req, params)
         if req.stream:
-            return _SSEResponse(self._stream_completions(req, prompts), self._start(prompts))
+            return SSEResponse(self._stream_completions(req, prompts), self._start(prompts))
         handles = self._start(prompts)
         try:
-            await _until_disconnect(raw, self._collect(prompts))
+            await until_disconnect(raw, self._collect(prompts))
         finally:
             for h in handles:
                 h.close()
@@ -544,7 +486,9 @@ class OpenAIServer:
             return _sse_chunk(rid, "text_completion", created, self.model_name, choices, usage)
 
         try:
-            async for i, p, out in _merge([(i, p, self._run(p)) for i, p in enumerate(prompts)]):
+            async for i, p, out in merge_streams(
+                [(i, p, self._run(p)) for i, p in enumerate(prompts)]
+            ):
                 if not p.choices:
                     p.choices = [_Choice() for _ in range(n)]
                     if req.echo:
@@ -584,10 +528,10 @@ class OpenAIServer:
         params = req.sampling_params(self.engine.sampling_defaults)
         prompt = await self._prompt_from_chat(req, params)
         if req.stream:
-            return _SSEResponse(self._stream_chat(req, prompt), self._start([prompt]))
+            return SSEResponse(self._stream_chat(req, prompt), self._start([prompt]))
         (handle,) = self._start([prompt])
         try:
-            await _until_disconnect(raw, self._collect([prompt]))
+            await until_disconnect(raw, self._collect([prompt]))
         finally:
             handle.close()
         assert prompt.final is not None
@@ -679,336 +623,3 @@ class OpenAIServer:
         self.metrics.update_stats(stats, alive=not self.engine.is_dead)
         self.metrics.frontend_inflight.set(self.engine.num_unfinished())
         return self.metrics.render()
-
-
-# --------------------------------------------------------------------------- async helpers
-
-
-class _SSEResponse(Response):
-    """An SSE stream whose engine requests are aborted however the response ends.
-
-    The requests are started before the response; if the client vanishes before the body is
-    first iterated, the body generator never runs its cleanup, so the response does it.
-
-    NOTE: not Starlette's StreamingResponse: its anyio task group (a disconnect listener next to
-    the body) costs ~0.2 ms per request, a tenth of the TTFT budget of the frontend. Here one
-    plain asyncio task waits for the disconnect and, if it comes, aborts the requests and fails
-    their streams, which ends the body wherever it is waiting.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, body: AsyncIterator[bytes], handles: list[RequestHandle]) -> None:
-        self.body_iterator = body
-        self.handles = handles
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _watch(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        for h in self.handles:
-            h.close()
-            h.stream.fail(ClientDisconnected())
-
-    async def __call__(self, scope, receive, send) -> None:
-        watch = asyncio.ensure_future(self._watch(receive))
-        body = self.body_iterator
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in body:
-                if watch.done():
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            else:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            watch.cancel()
-            await body.aclose()  # type: ignore[attr-defined]
-            for h in self.handles:
-                h.close()
-
-
-async def _merge(
-    sources: list[tuple[int, Any, AsyncIterator[T]]],
-) -> AsyncIterator[tuple[int, Any, T]]:
-    """Interleave several async iterators (one per prompt) as their items arrive."""
-    if len(sources) == 1:
-        i, tag, it = sources[0]
-        async for item in it:
-            yield i, tag, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def drain(i: int, tag: Any, it: AsyncIterator[T]) -> None:
-        try:
-            async for item in it:
-                await queue.put((i, tag, item))
-        except BaseException as e:
-            await queue.put(e)
-            return
-        await queue.put(done)
-
-    tasks = [asyncio.create_task(drain(*s)) for s in sources]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client disconnects first; then cancel it (aborting its requests)."""
-    work_task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while True:
-            msg = await raw.receive()
-            if msg["type"] == "http.disconnect":
-                return
-
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work_task.done():
-            work_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-    if not work_task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await work_task
-        raise APIError(499, "client disconnected", "client_closed_request")
-    return work_task.result()
-
-
-# --------------------------------------------------------------------------- the app
-
-
-def build_app(
-    config: EngineConfig,
-    served_model_name: str | None = None,
-    data_parallel_size: int = 1,
-    model_info: ModelInfo | None = None,
-) -> HotRoutes:
-    """The ASGI app; the engine starts in its lifespan and stops with it.
-
-    Lifespan startup runs before uvicorn binds, so the port opens once the model is loaded.
-
-    The FastAPI app serves everything but the two generation endpoints, which ``HotRoutes``
-    answers in front of it with the same handlers (see hot_routes.py for why).
-    """
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        try:
-            engine = await AsyncLLM.create(
-                config, served_model_name, data_parallel_size, model_info
-            )
-        except EngineDeadError as e:
-            app.state.start_failure = str(e)  # serve() reports it in one line
-            raise
-        metrics = ServerMetrics(engine.model_name)
-        engine.on_finished = metrics.observe_finished
-        app.state.server = OpenAIServer(engine, metrics, engine.model_name)
-        # NOTE: the startup heap (FastAPI, pydantic, the tokenizer, torch's modules: ~200k
-        # objects) leaves the collector's generations. A full collection walked it in 75-135 ms
-        # here, a stall for every stream in flight; per-request garbage triggers one every few
-        # hundred requests. After the freeze the worst collection in the same load took 18 ms.
-        gc.collect()
-        gc.freeze()
-        if engine.sampling_defaults:
-            logger.info("sampling defaults from the model: %s", engine.sampling_defaults)
-        logger.info(
-            "serving %s (max_model_len %d, %d KV blocks)",
-            engine.model_name,
-            engine.max_model_len,
-            engine.client.ready.num_kv_blocks,
-        )
-        try:
-            yield
-        finally:
-            await engine.shutdown()
-
-    app = FastAPI(title="shm_engine OpenAI-compatible server", lifespan=lifespan)
-
-    def server(request: Request) -> OpenAIServer:
-        return request.app.state.server
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> Response:
-        return error_response(e.status, e.message, e.type, e.param)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, e: HTTPException) -> Response:
-        """Routing errors (404 unknown path, 405 wrong method) in the OpenAI shape too."""
-        message = f"{e.detail}: {request.method} {request.url.path}"
-        response = error_response(e.status_code, message, "invalid_request_error")
-        response.headers.update(e.headers or {})  # 405 keeps its Allow header
-        return response
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
-        return error_response(400, validation_message(e.errors()), "invalid_request_error")
-
-    def api_error_response(e: Exception) -> Response:
-        err = _to_api_error(e)
-        return error_response(err.status, err.message, err.type, err.param)
-
-    @app.exception_handler(Exception)
-    async def _any_error(request: Request, e: Exception) -> Response:
-        return api_error_response(e)
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = without_validation_422(FastAPI.openapi(app))
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        try:
-            return await server(raw).completions(req, raw)
-        except Exception as e:  # answered here: the generic handler would also log a traceback
-            return api_error_response(e)
-
-    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
-    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-        try:
-            return await server(raw).chat(req, raw)
-        except Exception as e:  # answered here: the generic handler would also log a traceback
-            return api_error_response(e)
-
-    @app.get("/v1/models")
-    async def models(raw: Request) -> dict[str, Any]:
-        return server(raw).models()
-
-    # HEAD: load balancers probe with it. Two routes, not one with two methods, so the OpenAPI
-    # schema gets an operation id each.
-    @app.get("/health", responses=HEALTH_RESPONSES)
-    @app.head("/health", responses=HEALTH_RESPONSES)
-    async def health(raw: Request) -> Response:
-        s = server(raw)
-        if s.engine.is_dead:
-            return error_response(
-                503, s.engine.dead_reason or "the engine is not running", "service_unavailable"
-            )
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics(raw: Request) -> Response:
-        return Response(await server(raw).render_metrics(), media_type=CONTENT_TYPE)
-
-    return HotRoutes(
-        app,
-        {
-            "/v1/completions": (CompletionRequest, completions),
-            "/v1/chat/completions": (ChatCompletionRequest, chat),
-        },
-        lambda status, message: error_response(status, message, "invalid_request_error"),
-        screen=lambda path, body: app.state.server.screen_body(path, body),
-    )
-
-
-def serve(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    served_model_name: str | None = None,
-    log_level: str = "info",
-    access_log: bool = False,
-    data_parallel_size: int = 1,
-    model_info: ModelInfo | None = None,
-) -> None:
-    """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
-    if not 0 <= port <= 65535:
-        # NOTE: uvicorn's bind raises OverflowError for it after the lifespan started the
-        # engine, and the process then never exited.
-        raise ValueError(f"port must be in 0..65535, got {port}")
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(config, served_model_name, data_parallel_size, model_info)
-    uv = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=access_log,
-        # Open requests get this long to finish on shutdown (see _GracefulServer).
-        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
-        lifespan="on",
-    )
-    # uvicorn re-raises the stop signal once it has shut down gracefully; a requested stop that
-    # completed cleanly is a success, so that re-raise ends the process with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_cleanly)
-    state = app.app.state
-    quiet = _QuietStartFailure(state)
-    logging.getLogger("uvicorn.error").addFilter(quiet)
-    try:
-        _GracefulServer(uv, lambda: getattr(state, "server", None)).run()
-    except SystemExit:  # uvicorn's exit status 3 for a failed lifespan, among others
-        failure = getattr(state, "start_failure", None)
-        if failure is None:
-            raise
-        raise ValueError(failure) from None  # the CLI's one line and exit 2, as its checks
-    finally:
-        logging.getLogger("uvicorn.error").removeFilter(quiet)
-
-
-class _QuietStartFailure(logging.Filter):
-    """Drops uvicorn's report of a lifespan that failed because the engine could not start
-    (two tracebacks for a configuration mistake); serve() raises its message instead."""
-
-    def __init__(self, state: Any) -> None:
-        super().__init__()
-        self.state = state
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        failed = getattr(self.state, "start_failure", None) is not None
-        return not (failed and record.levelno >= logging.ERROR)
-
-
-_SHUTDOWN_GRACE_S = 3.0
-
-
-class _GracefulServer(uvicorn.Server):
-    """uvicorn's server, ending open requests itself shortly before the grace period runs out.
-
-    NOTE: uvicorn cancels the tasks still running at the end of timeout_graceful_shutdown: a
-    stream was then cut mid-body (no error event, no [DONE]; clients raised a transfer-length
-    error) and uvicorn logged the CancelledError. Failed half a second earlier, every open
-    response ends as an engine failure would end it, and its engine request is aborted.
-    """
-
-    def __init__(self, config: Any, server: Callable[[], OpenAIServer | None]) -> None:
-        super().__init__(config)
-        self._server = server
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        def end_streams() -> None:
-            server = self._server()
-            if server is not None:  # None: the lifespan never started the engine
-                server.engine.end_streams("the server is shutting down")
-
-        timer = asyncio.get_running_loop().call_later(_SHUTDOWN_GRACE_S - 0.5, end_streams)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
-
-
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise SystemExit(0)

@@ -212,7 +212,7 @@ def test_model_info_is_the_loaders_config_and_tokenizer_without_torch(tmp_path: 
     probe = (
         "import sys\n"
         "from shm_engine.entrypoints.llm import LLM\n"
-        "from shm_engine.entrypoints.openai_server import build_app\n"
+        "from shm_engine.entrypoints.api_server import build_app\n"
         "from shm_engine.model.loader import load_model_info\n"
         "for p in sys.argv[1:]: load_model_info(None if p == '-' else p)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

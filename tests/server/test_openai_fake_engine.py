@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.output_processor import CompletionOutput, Logprob, RequestOutput
-from shm_engine.entrypoints import openai_logprobs, openai_server
+from shm_engine.entrypoints import api_server, openai_errors, openai_logprobs, openai_server
 from shm_engine.entrypoints.async_engine import PromptTooLongError
 from shm_engine.entrypoints.metrics import ServerMetrics
 from shm_engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -105,7 +105,7 @@ class FakeEngine:
 def serve_fake(monkeypatch, engine: FakeEngine) -> TestClient:
     """A TestClient of the real app over ``engine``; ``engine.sent`` records (time, body) of
     every body write (the TestClient hands the body over only once the response is complete)."""
-    app = openai_server.build_app(EngineConfig())
+    app = api_server.build_app(EngineConfig())
     engine.sent = []
 
     async def create(config, served_model_name=None, data_parallel_size=1, model_info=None):
@@ -588,7 +588,7 @@ def test_chat_template_errors_are_400(monkeypatch) -> None:
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert "no system messages" in err["message"] and err["param"] == "messages"
-    broken = openai_server._to_api_error(jinja2.TemplateSyntaxError("unexpected end", 1))
+    broken = openai_errors.to_api_error(jinja2.TemplateSyntaxError("unexpected end", 1))
     assert broken.status == 500  # the server's template is broken: not the client's fault
 
 

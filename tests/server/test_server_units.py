@@ -14,7 +14,7 @@ from shm_engine.benchmarks import prompts
 from shm_engine.benchmarks import serve as bench
 from shm_engine.entrypoints.async_engine import _Stream
 from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from shm_engine.entrypoints.openai_server import _merge
+from shm_engine.entrypoints.streaming import merge_streams
 from shm_engine.sampling_params import SamplingParams
 
 
@@ -91,10 +91,10 @@ def test_merge_interleaves_and_propagates_errors() -> None:
             raise ValueError("boom")
 
     async def go() -> None:
-        got = [x async for _, _, x in _merge([(0, None, gen([1, 2])), (1, None, gen([3]))])]
+        got = [x async for _, _, x in merge_streams([(0, None, gen([1, 2])), (1, None, gen([3]))])]
         assert sorted(got) == [1, 2, 3]
         with pytest.raises(ValueError, match="boom"):
-            async for _ in _merge([(0, None, gen([1], fail=True)), (1, None, gen([2, 3]))]):
+            async for _ in merge_streams([(0, None, gen([1], fail=True)), (1, None, gen([2, 3]))]):
                 pass
 
     asyncio.run(go())
