@@ -6,6 +6,10 @@ import os
 
 import msgspec
 
+# A decode step with k drafts computes k + 1 rows; past a handful, a wrong guess early wastes
+# most of them.
+MAX_SPECULATIVE_TOKENS = 16
+
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     """Sent to the engine process in the handshake, hence a msgspec Struct."""
@@ -35,6 +39,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # accurate: docs/kernels.md, "8-bit activations")
     activation_dtype: str = "int16"
     log_stats: bool = True
+    # Speculative decoding by n-gram lookup (ngram_proposer.py), for plain greedy requests:
+    # up to this many draft tokens a decode step, checked in the same forward (0: off); drafts
+    # continue the most recent earlier occurrence of the last n tokens, n from max down to min
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -71,6 +81,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.dtype == "float32" and self.activation_dtype != "int16":
             raise ValueError("activation_dtype applies to the int8 model only")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
 
     def resolved_threads(self) -> int:
         if self.num_threads:

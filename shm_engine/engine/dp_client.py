@@ -69,6 +69,8 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
         step_count=sum(s.step_count for s in stats),
+        spec_draft_tokens=sum(s.spec_draft_tokens for s in stats),
+        spec_accepted_tokens=sum(s.spec_accepted_tokens for s in stats),
     )
 
 

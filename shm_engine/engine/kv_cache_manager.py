@@ -90,6 +90,11 @@ class KVCacheManager:
         self.pool.queries += req.num_tokens
         self.pool.hits += num_hit
 
+    def blocks_to_allocate(self, req: Request, num_new_tokens: int) -> int:
+        """Free blocks ``allocate(req, num_new_tokens)`` would take (no cached prefix)."""
+        held = len(self.req_blocks.get(req.request_id, ()))
+        return max(0, self.blocks_needed(req.num_computed_tokens + num_new_tokens) - held)
+
     def allocate(self, req: Request, num_new_tokens: int, prefix: list[KVBlock] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones; False if full.
 

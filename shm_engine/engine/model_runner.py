@@ -7,6 +7,7 @@ the scheduler reports a request finished.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import time
@@ -18,6 +19,7 @@ from shm_engine.engine.config import EngineConfig, check_max_model_len
 from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
 from shm_engine.model.batch import BatchInputs
+from shm_engine.model.kernels import argmax_rows
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, allocate_kv, kv_bytes_per_block
 from shm_engine.model.loader import LoadedModel, load_model
 
@@ -194,44 +196,67 @@ class ModelRunner:
             raise RuntimeError("the KV cache is released (engine sleeping)")
         chunks = sched.chunks
         scores = [c.score for c in chunks] if any(c.score for c in chunks) else None
+        # NOTE: a chunk with drafts runs them after its last token and needs the logits of
+        # every row: the model's token after each (plain greedy: the argmax, see Scheduler)
+        rows = [(1 + len(c.drafts)) if c.samples else 0 for c in chunks]
         batch = BatchInputs.build(
-            [(c.request.all_token_ids, c.start, c.num_tokens, c.block_ids) for c in chunks],
+            [
+                (c.request.all_token_ids + c.drafts if c.drafts else c.request.all_token_ids,
+                 c.start, c.num_tokens, c.block_ids)
+                for c in chunks
+            ],
             self.block_size,
-            [c.samples for c in chunks],
+            rows,
             scores,
-        )
-        sampling = [c.request for c in chunks if c.samples]
+        )  # fmt: skip
+        sampling = [c for c in chunks if c.samples]
         states = []
-        for req in sampling:
+        for c in sampling:
+            req = c.request
             state = self.sampler_states.get(req.request_id)
             if state is None:
                 state = self.sampler_states[req.request_id] = self.sampler.new_state(
                     req.sampling_params, req.prompt_token_ids, req.eos_token_ids
                 )
             states.append(state)
+        num_rows = sum(rows)
         # NOTE: every row plain greedy (the common case): the model's native call also takes
         # each row's argmax and the sampler is skipped, no Python between the LM head and the
         # tokens (batch 16: ~0.2 ms a step on the cold caches a step leaves)
         greedy = None
         if states and all(s.plain_greedy for s in states) and scores is None:
-            greedy = torch.empty(len(states), dtype=torch.int64)
+            greedy = torch.empty(num_rows, dtype=torch.int64)
         logits = self.model.forward(batch, self.kv_caches, greedy)
         prompt_lps = None
         if scores is not None:  # the scoring rows follow the sampling ones
-            prompt_lps = _prompt_logprobs(chunks, logits[len(sampling) :])
-            logits = logits[: len(sampling)]
+            prompt_lps = _prompt_logprobs(chunks, logits[num_rows:])
+            logits = logits[:num_rows]
         if not sampling:
             return SampledTokens([], prompt_logprobs=prompt_lps)
+        drafted = num_rows > len(sampling)
         if greedy is not None:
-            return SampledTokens(greedy.tolist())
-        result = self.sampler.sample(logits, states, [r.output_token_ids for r in sampling])
+            tokens = greedy.tolist()
+            if not drafted:
+                return SampledTokens(tokens)
+            return _split_draft_rows(sampling, tokens)
+        first_rows = logits
+        if drafted:  # each chunk's first row is sampled as usual; the rest are argmaxes
+            starts = [0, *itertools.accumulate(1 + len(c.drafts) for c in sampling)][:-1]
+            first_rows = logits[starts]
+        result = self.sampler.sample(
+            first_rows, states, [c.request.output_token_ids for c in sampling]
+        )
         logprobs = None
         if result.logprobs is not None:
             logprobs = [
                 None if lp is None else Logprobs(lp.token_ids, lp.logprobs, lp.sampled_rank)
                 for lp in result.logprobs
             ]
-        return SampledTokens(result.token_ids.tolist(), logprobs, prompt_lps)
+        out = SampledTokens(result.token_ids.tolist(), logprobs, prompt_lps)
+        if drafted:
+            argmax = argmax_rows(logits).tolist()
+            out.after_drafts = _split_draft_rows(sampling, argmax).after_drafts
+        return out
 
     def execute_dummy(self) -> None:
         """A one-token forward on a scratch one-block cache, so no live or cached KV is touched."""
@@ -242,6 +267,19 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = None
+
+
+def _split_draft_rows(sampling: list, tokens: list[int]) -> SampledTokens:
+    """One token a row, grouped by chunk: each chunk's first row's token is its sampled one,
+    the rest the model's tokens after its drafts."""
+    out = SampledTokens([])
+    row = 0
+    for i, c in enumerate(sampling):
+        out.token_ids.append(tokens[row])
+        if c.drafts:
+            out.after_drafts[i] = tokens[row + 1 : row + 1 + len(c.drafts)]
+        row += 1 + len(c.drafts)
+    return out
 
 
 def _prompt_logprobs(chunks: list, logits: torch.Tensor) -> dict[int, list[Logprobs]]:

@@ -75,6 +75,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     step_count: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding since start: drafts checked
+    spec_accepted_tokens: int = 0  # and found right
 
 
 class EngineCoreOutputs(msgspec.Struct, **_STRUCT):

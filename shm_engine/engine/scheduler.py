@@ -6,6 +6,12 @@ running request; priority: the lowest-priority one), frees its blocks and requeu
 recomputed later. Waiting requests are admitted only in steps without preemption, reusing cached
 prefix blocks. ``schedule()`` advances ``num_computed_tokens`` at once, so a request whose sampled
 token is still in flight is not scheduled again before ``update_from_output`` appends it.
+
+With ``num_speculative_tokens``, a plain greedy decode also feeds the model up to that many
+draft tokens (ngram_proposer.py) after its last one; the model's token after each row shows how
+many drafts were right, and those plus the model's next token are appended at once. The drafts'
+KV entries are computed in the same forward; the rejected ones are taken back from
+``num_computed_tokens`` and overwritten later.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.kv_cache_manager import KVCacheManager
+from shm_engine.engine.ngram_proposer import propose_ngram
 from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, SchedulerStats
 from shm_engine.engine.request import FINISH_REASON, Request, RequestStatus
 
@@ -32,6 +39,7 @@ class ScheduledChunk:
     samples: bool = False  # the chunk reaches the last known token, so a new one is sampled
     epoch: int = 0  # the request's preemption count when scheduled (stale results are dropped)
     score: tuple[int, int] | None = None  # prompt tokens [j0, j1) whose logprobs it computes
+    drafts: list[int] = field(default_factory=list)  # guessed tokens after the last one
 
 
 @dataclass(slots=True)
@@ -56,6 +64,8 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None
     prompt_logprobs: dict[int, list[Logprobs]] | None = None  # chunk index -> its score range's
+    # sampling index -> the model's token after each of that chunk's drafts (greedy)
+    after_drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class _WaitingQueue:
@@ -131,6 +141,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.step_count = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts checked, and found right
+        self.num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -190,10 +202,23 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._chunk_size(req, req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = self._chunk_size(req, remaining, budget)
             if n <= 0:
                 continue
-            while not self.kv.allocate(req, n):
+            # NOTE: drafts only where their blocks leave a free one for every running request's
+            # own next token: they never cause a preemption
+            drafts = self._drafts(req, budget) if remaining == 1 else []
+            reserve = self.kv.num_free_blocks - len(self.running)
+            if (
+                drafts
+                and self.kv.blocks_to_allocate(req, 1 + len(drafts)) <= reserve
+                and self.kv.allocate(req, 1 + len(drafts))
+            ):
+                n = 1 + len(drafts)
+            else:
+                drafts = []
+            while not drafts and not self.kv.allocate(req, n):
                 victim = self._pick_victim()
                 chunk = scheduled.pop(victim.request_id, None)
                 if chunk is not None:
@@ -205,7 +230,9 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n, [])
+            scheduled[req.request_id] = ScheduledChunk(
+                req, req.num_computed_tokens, n, [], drafts=drafts
+            )
             budget -= n
 
         while (
@@ -237,7 +264,7 @@ class Scheduler:
             req = chunk.request
             chunk.block_ids = self.kv.block_ids(req)
             req.num_computed_tokens += chunk.num_tokens
-            chunk.samples = req.num_computed_tokens == req.num_tokens
+            chunk.samples = req.num_computed_tokens - len(chunk.drafts) == req.num_tokens
             chunk.epoch = req.num_preemptions
             if req.prompt_logprobs is not None:
                 # Position p's logits score prompt token p + 1; those already known are skipped
@@ -250,6 +277,32 @@ class Scheduler:
         if out.chunks:  # a model step; with a batch queue, schedule() also runs with none to add
             self.step_count += 1
         return out
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode of ``req``: none unless speculation is on and the request
+        is plain greedy (its token is the argmax of the raw logits, so checking a draft is
+        comparing it with the model's argmax), and never more than the request, its context
+        and the step's budget have room for."""
+        cfg = self.config
+        p = req.sampling_params
+        k = min(
+            cfg.num_speculative_tokens,
+            budget - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if (
+            k <= 0
+            or not p.greedy
+            or p.logprobs is not None
+            or req.prompt_logprobs is not None
+            or req.num_output_tokens < p.min_tokens
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0
+        ):
+            return []
+        return propose_ngram(req.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def _chunk_size(self, req: Request, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
@@ -295,27 +348,44 @@ class Scheduler:
                 if chunk.samples:
                     i += 1
                 continue
+            new_tokens = []
+            if chunk.samples:
+                new_tokens = [sampled.token_ids[i]]
+                if chunk.drafts:
+                    # A draft is right if it is the model's token after the rows before it;
+                    # the rest are taken back (their KV entries are overwritten later).
+                    for draft, after in zip(chunk.drafts, sampled.after_drafts[i], strict=True):
+                        if new_tokens[-1] != draft:
+                            break
+                        new_tokens.append(after)
+                    accepted = len(new_tokens) - 1
+                    req.num_computed_tokens -= len(chunk.drafts) - accepted
+                    self.num_draft_tokens += len(chunk.drafts)
+                    self.num_accepted_tokens += accepted
             self.kv.cache_computed(req)
             if chunk.score is not None and sampled.prompt_logprobs:
                 _add_prompt_logprobs(req, chunk.score[0], sampled.prompt_logprobs[ci])
             if not chunk.samples:
                 continue
-            token = sampled.token_ids[i]
             lp = sampled.logprobs[i] if sampled.logprobs else None
             i += 1
-            req.all_token_ids.append(token)
-            row = len(ids)
+            first = req.num_output_tokens == 0
+            row, before = len(ids), len(tokens)
             ids.append(req.request_id)
-            counts.append(1)
-            tokens.append(token)
-            if req.num_output_tokens == 1:
+            for token in new_tokens:  # one, or more when drafts were right
+                req.all_token_ids.append(token)
+                tokens.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            counts.append(len(tokens) - before)
+            if first:
                 outputs.num_cached_tokens[row] = req.num_cached_tokens
                 if req.prompt_logprobs is not None:
                     outputs.prompt_logprobs[row] = req.prompt_logprobs
                     req.prompt_logprobs = None  # handed out: never computed again
             if lp is not None:
                 outputs.logprobs[row] = [lp]
-            status = self._check_stop(req, token)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
@@ -355,6 +425,8 @@ class Scheduler:
             prefix_cache_hits=self.kv.pool.hits,
             num_preemptions=self.num_preemptions,
             step_count=self.step_count,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> int:

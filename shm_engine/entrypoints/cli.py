@@ -13,6 +13,8 @@ from shm_engine.entrypoints.cli_parser import OneLineParser, fail, int_in
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    from shm_engine.engine.config import MAX_SPECULATIVE_TOKENS
+
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     p.add_argument("--dtype", default="int8", choices=["int8", "float32"])
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache budget in MiB")
@@ -29,6 +31,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="the layers' activations (int8: faster on kernel path vnni, less exact)",
     )
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int_in(0, MAX_SPECULATIVE_TOKENS),
+        default=0,
+        help="draft tokens a greedy decode step guesses by n-gram lookup in its own context and "
+        "checks in the same forward (0: off; pays where outputs copy their input)",
+    )
+    p.add_argument(
+        "--prompt-lookup-min", type=int_in(1), default=2, help="shortest n-gram matched for drafts"
+    )
+    p.add_argument(
+        "--prompt-lookup-max", type=int_in(1), default=4, help="longest n-gram matched for drafts"
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +64,15 @@ def _build_llm(args):
         kv_cache_dtype=args.kv_cache_dtype,
         activation_dtype=args.activation_dtype,
         num_threads=args.threads,
+        **_speculative(args),
+    )
+
+
+def _speculative(args) -> dict:
+    return dict(
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
     )
 
 
@@ -206,6 +230,7 @@ def serve_config(args):
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        **_speculative(args),
     )
 
 

@@ -59,6 +59,12 @@ class ServerMetrics:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache since start."
         )
         self.preemptions = gauge("num_preemptions", "Requests preempted since start.")
+        self.spec_drafts = gauge(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens checked since start."
+        )
+        self.spec_accepted = gauge(
+            "spec_decode_num_accepted_tokens", "Speculative draft tokens found right since start."
+        )
         self.frontend_inflight = gauge(
             "frontend_requests_in_flight", "Requests the HTTP frontend is serving."
         )
@@ -103,6 +109,8 @@ class ServerMetrics:
         q = stats.prefix_cache_queries
         self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
         self.preemptions.set(stats.num_preemptions)
+        self.spec_drafts.set(stats.spec_draft_tokens)
+        self.spec_accepted.set(stats.spec_accepted_tokens)
         self.engine_alive.set(1 if alive else 0)
 
     def observe_finished(self, out: RequestOutput) -> None:

@@ -36,14 +36,20 @@ class BatchInputs:
     def build(
         seqs: list[tuple[list[int], int, int, list[int]]],
         block_size: int,
-        sample_mask: list[bool],
+        logit_rows: list[int],
         scores: list[tuple[int, int] | None] | None = None,
     ) -> BatchInputs:
         """Flatten sequences given as (all token ids, start, num new tokens, block ids).
 
-        Logits rows: each sampling sequence's last token, in order; then, for ``scores[b] =
-        (j0, j1)``, the positions j0 - 1 .. j1 - 2 of sequence b, whose logits score its tokens
-        j0 .. j1 - 1 (prompt logprobs).
+        Logits rows, in order: each sequence's last new token where ``logit_rows[b]`` is 1 (or
+        True), every new token where it equals their number (a decode checking draft tokens);
+        then, for ``scores[b] = (j0, j1)``, the positions j0 - 1 .. j1 - 2 of sequence b, whose
+        logits score its tokens j0 .. j1 - 1 (prompt logprobs).
+
+        NOTE: a sequence whose every token needs logits is laid out as that many one-token
+        sequences over the same blocks, so each row's attention is computed as a decode step
+        computes it: the AVX-512 kernels sum a prefill tile in another order than a decode,
+        and a draft checked on other bits than the plain step's could flip a near tie.
 
         NOTE: plain Python lists, one numpy array each at the end: between model steps the
         interpreter runs on cold caches, where numpy's per-sequence calls cost ~0.3 ms a batch-16
@@ -53,28 +59,38 @@ class BatchInputs:
         slots: list[int] = []
         seq_lens: list[int] = []
         qsl = [0]
+        first_rows = []
         logits_indices = []
         max_blocks = max(len(b) for _, _, _, b in seqs)
         table: list[int] = []
-        for (tokens, start, n, blocks), sample in zip(seqs, sample_mask, strict=True):
+        for (tokens, start, n, blocks), rows in zip(seqs, logit_rows, strict=True):
             end = start + n
-            if n == 1:  # decode
-                ids.append(tokens[start])
-                positions.append(start)
-                slots.append(blocks[start // block_size] * block_size + start % block_size)
-            else:
-                ids.extend(tokens[start:end])
-                positions.extend(range(start, end))
-                slots.extend(blocks[p // block_size] * block_size + p % block_size
-                             for p in range(start, end))  # fmt: skip
-            table.extend(blocks)
-            table.extend([0] * (max_blocks - len(blocks)))
+            first_rows.append(qsl[-1])
+            padded = blocks + [0] * (max_blocks - len(blocks))
+            if n == 1 or rows == n:  # decode rows
+                for p in range(start, end):
+                    ids.append(tokens[p])
+                    positions.append(p)
+                    slots.append(blocks[p // block_size] * block_size + p % block_size)
+                    table.extend(padded)
+                    seq_lens.append(p + 1)
+                    qsl.append(qsl[-1] + 1)
+                    if rows:
+                        logits_indices.append(qsl[-1] - 1)
+                continue
+            if rows not in (0, 1):
+                raise ValueError(f"logit_rows must be 0, 1 or the new tokens ({n}), got {rows}")
+            ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // block_size] * block_size + p % block_size
+                         for p in range(start, end))  # fmt: skip
+            table.extend(padded)
             seq_lens.append(end)
             qsl.append(qsl[-1] + n)
-            if sample:
+            if rows:
                 logits_indices.append(qsl[-1] - 1)
         if scores:
-            for (_, start, _, _), score, row0 in zip(seqs, scores, qsl, strict=False):
+            for (_, start, _, _), score, row0 in zip(seqs, scores, first_rows, strict=True):
                 if score is not None:
                     first = row0 + score[0] - 1 - start
                     logits_indices.extend(range(first, first + score[1] - score[0]))
@@ -83,7 +99,7 @@ class BatchInputs:
             positions=torch.from_numpy(np.array(positions, dtype=np.int64)),
             slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)),
             block_table=torch.from_numpy(
-                np.array(table, dtype=np.int32).reshape(len(seqs), max_blocks)
+                np.array(table, dtype=np.int32).reshape(len(seq_lens), max_blocks)
             ),
             seq_lens=torch.from_numpy(np.array(seq_lens, dtype=np.int32)),
             query_start_loc=torch.from_numpy(np.array(qsl, dtype=np.int32)),

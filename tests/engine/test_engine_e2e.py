@@ -900,3 +900,48 @@ def test_llm_generate_raises_what_the_engine_refused():
         assert stats.num_running == stats.num_waiting == 0
         outs = llm.generate(["a", "b"], params, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+COPY_TEXT = (
+    "The committee met on Tuesday to review the budget for the next fiscal year. After a long "
+    "discussion, the members agreed to increase funding for public libraries and to reduce "
+    "spending on administrative travel."
+)
+
+
+@pytest.mark.skipif(DTYPE != "int8", reason="the int8 model's rows do not depend on their batch")
+def test_speculative_decoding_leaves_every_token_as_it_was():
+    """Drafts are checked against the argmax of the same logits a plain decode step computes
+    (a row's result never depends on its batch), so greedy output is the same bits with or
+    without them; sampled requests in the same batches get no drafts and keep theirs too."""
+    from shm_engine import LLM
+
+    prompts = [
+        f"Repeat the following paragraph word for word:\n\n{COPY_TEXT}",
+        "def fibonacci(n):",
+        f"Rewrite this in capital letters: {COPY_TEXT}",
+        "The capital of France is",
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=24)
+    outs = {}
+    for spec, depth in ((0, 1), (4, 1), (4, 2)):
+        with LLM(
+            dtype=DTYPE, num_kv_blocks=256, in_process=True, batch_queue_size=depth,
+            num_speculative_tokens=spec, prompt_lookup_min=1,
+        ) as llm:  # fmt: skip
+            chats = [
+                llm.get_tokenizer().apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in prompts
+            ]
+            got = llm.generate(chats, greedy, use_tqdm=False)
+            got += llm.generate(chats[:2], sampled, use_tqdm=False)
+            outs[spec, depth] = [o.outputs[0].token_ids for o in got]
+            stats = llm.get_stats()
+        if spec:
+            # the copying prompts' drafts are mostly right
+            assert stats.spec_accepted_tokens > 0.4 * stats.spec_draft_tokens > 0, stats
+    assert outs[4, 1] == outs[0, 1]
+    assert outs[4, 2] == outs[0, 1]

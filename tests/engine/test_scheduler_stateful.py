@@ -8,6 +8,10 @@ one holding the same tokens under another prefix, fails at once; sampled tokens 
 against an unbatched reference after every step, together with the block pool's reference
 counts. Hypothesis drives the mix of requests, aborts, steps in flight and configurations, and
 shrinks a failure to a short story.
+
+With speculative decoding on, decodes also run n-gram draft tokens; the stand-in model copies
+the token four back two times in three, so its outputs repeat and drafts are often right, and
+sometimes wrong: rejected drafts leave KV entries behind that must never be read or published.
 """
 
 from __future__ import annotations
@@ -27,11 +31,25 @@ from hypothesis.stateful import (
 from shm_engine.engine.request import Request, RequestStatus
 from shm_engine.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
-from .test_scheduler import make_request, make_scheduler, next_token, reference_output
+from .test_scheduler import make_request, make_scheduler, next_token
 
 # Prompts share prefixes (so the prefix cache has something to find) and differ in their tails,
 # drawn from a small alphabet so equal blocks recur under different prefixes.
 FAMILIES = [[100 + f * 50 + i for i in range(24)] for f in range(3)]
+
+
+def model_token(prefix: list[int]) -> int:
+    """The stand-in model's next token: next_token's hash, but two times in three a copy of the
+    token four back, so outputs repeat as copying text does."""
+    d = next_token(prefix)
+    return prefix[-4] if len(prefix) >= 4 and d % 3 else d
+
+
+def reference_output(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(model_token(seq))
+    return seq[len(prompt) :]
 
 
 def kv_entry(tokens: list[int], p: int) -> bytes:
@@ -50,10 +68,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         depth=st.integers(1, 3),
         max_model_len=st.sampled_from([40, 1024]),
+        spec=st.sampled_from([0, 0, 1, 3, 5]),
+        lookup_min=st.integers(1, 2),
     )
     def setup(
         self, block_size, num_blocks, budget, max_seqs, threshold, policy, caching, depth,
-        max_model_len,
+        max_model_len, spec, lookup_min,
     ) -> None:  # fmt: skip
         self.s: Scheduler = make_scheduler(
             num_blocks=num_blocks,
@@ -65,6 +85,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy=policy,
             enable_prefix_caching=caching,
             batch_queue_size=depth,
+            num_speculative_tokens=spec,
+            prompt_lookup_min=lookup_min,
+            prompt_lookup_max=3,
         )
         self.depth = depth
         self.slots: list[list[bytes | None]] = [[None] * block_size for _ in range(num_blocks)]
@@ -82,11 +105,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Write each chunk's KV entries into its slots, read the whole context back through the
         block table (each entry must be this prefix's), then sample."""
         bs = self.s.config.block_size
-        tokens = []
+        tokens, after = [], {}
         for chunk in out.chunks:
             req, table = chunk.request, chunk.block_ids
-            seq = req.all_token_ids
+            seq = req.all_token_ids + chunk.drafts
             end = chunk.start + chunk.num_tokens
+            if chunk.drafts:
+                assert chunk.samples and chunk.num_tokens == 1 + len(chunk.drafts)
+                assert end <= self.s.max_model_len
             assert chunk.num_tokens >= 1, "a chunk the model cannot run"
             assert len(table) * bs >= end, "block table too short"
             for p in range(chunk.start, end):
@@ -95,8 +121,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 got = self.slots[table[p // bs]][p % bs]
                 assert got == kv_entry(seq, p), f"{req!r} reads a wrong KV entry at {p}: {table}"
             if chunk.samples:
-                tokens.append(next_token(seq[:end]))
-        return SampledTokens(tokens)
+                base = end - len(chunk.drafts)
+                tokens.append(model_token(seq[:base]))
+                if chunk.drafts:
+                    after[len(tokens) - 1] = [
+                        model_token(seq[: base + 1 + j]) for j in range(len(chunk.drafts))
+                    ]
+        return SampledTokens(tokens, after_drafts=after)
 
     # ------------------------------------------------------------------ rules
 
@@ -139,7 +170,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
         for chunk in out.chunks:
             assert chunk.request.status == RequestStatus.RUNNING
-            if cfg.long_prefill_token_threshold:
+            if cfg.long_prefill_token_threshold and not chunk.drafts:  # a prefill's cap
                 assert chunk.num_tokens <= cfg.long_prefill_token_threshold
         if out.preempted_ids:
             event(f"preemption with {len(self.in_flight)} steps in flight")
@@ -151,7 +182,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def complete(self) -> None:
         out, sampled = self.in_flight.pop(0)
+        accepted = self.s.num_accepted_tokens
         result = self.s.update_from_output(out, sampled)
+        if self.s.num_accepted_tokens > accepted:
+            event("drafts accepted")
+        elif any(c.drafts for c in out.chunks):
+            event("drafts all rejected")
         k = 0
         for row, (rid, n) in enumerate(zip(result.request_ids, result.num_new_tokens, strict=True)):
             assert rid not in self.finished and rid not in self.aborted
