@@ -191,3 +191,11 @@ def test_batch_rows_of_a_chunk_with_drafts() -> None:
     assert out.token_ids == [40, 41] and out.after_drafts == {1: [42, 43]}
     with pytest.raises(ValueError, match="logit_rows"):
         BatchInputs.build([([1, 2, 3], 0, 3, [0])], 4, [2])
+
+
+def test_bench_speculative_configs() -> None:
+    from benchmarks.bench_speculative import parse_config
+
+    assert parse_config("0") == (0, 2, 4)
+    assert parse_config("3:1") == (3, 1, 4)
+    assert parse_config("4:3:5") == (4, 3, 5)
