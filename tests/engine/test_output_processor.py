@@ -70,6 +70,35 @@ def test_the_earliest_stop_string_wins_and_the_engine_request_is_aborted(tokeniz
     assert results == []
 
 
+@pytest.mark.parametrize("stop", [[], ["five", "three"]])
+def test_several_tokens_a_step_give_what_one_a_step_gives(tokenizer, stop):
+    """A speculative decode step delivers several tokens of a request at once."""
+    ids = tokenizer.encode("one two three four five six seven", add_special_tokens=False)
+
+    def run(per_step: int):
+        proc = OutputProcessor(tokenizer)
+        proc.add_request("a", None, [1], SamplingParams(stop=stop, max_tokens=len(ids)))
+        out, aborts = None, []
+        for i in range(0, len(ids), per_step):
+            part = ids[i : i + per_step]
+            last = i + per_step >= len(ids)
+            results, ab = proc.process(
+                EngineCoreOutputs(
+                    request_ids=["a"], num_new_tokens=[len(part)], new_token_ids=part,
+                    finished={0: "length"} if last else {},
+                )
+            )  # fmt: skip
+            aborts += ab
+            out = results[0] if results else out
+            if out is not None and out.finished:
+                break
+        c = out.outputs[0]
+        return c.text, c.finish_reason, c.stop_reason, aborts
+
+    assert run(3) == run(1)
+    assert run(len(ids)) == run(1)
+
+
 def test_stop_string_across_token_boundaries(tokenizer):
     ids = tokenizer.encode("abc<|stop|>def", add_special_tokens=False)
     assert len(ids) > 3
