@@ -7,7 +7,6 @@ the scheduler reports a request finished.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import signal
 import time
@@ -19,7 +18,6 @@ from shm_engine.engine.config import EngineConfig, check_max_model_len
 from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
 from shm_engine.model.batch import BatchInputs
-from shm_engine.model.kernels import argmax_rows
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, allocate_kv, kv_bytes_per_block
 from shm_engine.model.loader import LoadedModel, load_model
 
@@ -197,7 +195,7 @@ class ModelRunner:
         chunks = sched.chunks
         scores = [c.score for c in chunks] if any(c.score for c in chunks) else None
         # NOTE: a chunk with drafts runs them after its last token and needs the logits of
-        # every row: the model's token after each (plain greedy: the argmax, see Scheduler)
+        # every row: each is sampled as a plain step would sample its position
         rows = [(1 + len(c.drafts)) if c.samples else 0 for c in chunks]
         batch = BatchInputs.build(
             [
@@ -239,23 +237,31 @@ class ModelRunner:
             if not drafted:
                 return SampledTokens(tokens)
             return _split_draft_rows(sampling, tokens)
-        first_rows = logits
-        if drafted:  # each chunk's first row is sampled as usual; the rest are argmaxes
-            starts = [0, *itertools.accumulate(1 + len(c.drafts) for c in sampling)][:-1]
-            first_rows = logits[starts]
-        result = self.sampler.sample(
-            first_rows, states, [c.request.output_token_ids for c in sampling]
-        )
+        histories = [c.request.output_token_ids for c in sampling]
+        if drafted:
+            # NOTE: a row after drafts is sampled with them as output so far: the step count
+            # that keys a seeded draw, min_tokens (Scheduler gives no drafts to requests with
+            # penalties, whose counts the state keeps per request)
+            row_states, row_histories = [], []
+            for c, state, history in zip(sampling, states, histories, strict=True):
+                row_states.append(state)
+                row_histories.append(history)
+                for j in range(len(c.drafts)):
+                    row_states.append(state)
+                    row_histories.append(history + c.drafts[: j + 1])
+            states, histories = row_states, row_histories
+        result = self.sampler.sample(logits, states, histories)
         logprobs = None
         if result.logprobs is not None:
             logprobs = [
                 None if lp is None else Logprobs(lp.token_ids, lp.logprobs, lp.sampled_rank)
                 for lp in result.logprobs
             ]
-        out = SampledTokens(result.token_ids.tolist(), logprobs, prompt_lps)
-        if drafted:
-            argmax = argmax_rows(logits).tolist()
-            out.after_drafts = _split_draft_rows(sampling, argmax).after_drafts
+        tokens = result.token_ids.tolist()
+        if not drafted:
+            return SampledTokens(tokens, logprobs, prompt_lps)
+        out = _split_draft_rows(sampling, tokens, logprobs)
+        out.prompt_logprobs = prompt_lps
         return out
 
     def execute_dummy(self) -> None:
@@ -269,16 +275,23 @@ class ModelRunner:
         self.kv_caches = None
 
 
-def _split_draft_rows(sampling: list, tokens: list[int]) -> SampledTokens:
-    """One token a row, grouped by chunk: each chunk's first row's token is its sampled one,
-    the rest the model's tokens after its drafts."""
-    out = SampledTokens([])
+def _split_draft_rows(
+    sampling: list, tokens: list[int], logprobs: list[Logprobs | None] | None = None
+) -> SampledTokens:
+    """One token (and logprobs) a row, grouped by chunk: each chunk's first row's are its
+    sampled ones, the rest those sampled after each of its drafts."""
+    out = SampledTokens([], [] if logprobs is not None else None)
     row = 0
     for i, c in enumerate(sampling):
+        end = row + 1 + len(c.drafts)
         out.token_ids.append(tokens[row])
+        if logprobs is not None:
+            out.logprobs.append(logprobs[row])
         if c.drafts:
-            out.after_drafts[i] = tokens[row + 1 : row + 1 + len(c.drafts)]
-        row += 1 + len(c.drafts)
+            out.after_drafts[i] = tokens[row + 1 : end]
+            if logprobs is not None:
+                out.after_drafts_logprobs[i] = logprobs[row + 1 : end]
+        row = end
     return out
 
 

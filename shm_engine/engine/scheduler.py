@@ -7,10 +7,12 @@ recomputed later. Waiting requests are admitted only in steps without preemption
 prefix blocks. ``schedule()`` advances ``num_computed_tokens`` at once, so a request whose sampled
 token is still in flight is not scheduled again before ``update_from_output`` appends it.
 
-With ``num_speculative_tokens``, a plain greedy decode also feeds the model up to that many
-draft tokens (ngram_proposer.py) after its last one; the model's token after each row shows how
-many drafts were right, and those plus the model's next token are appended at once. The drafts'
-KV entries are computed in the same forward; the rejected ones are taken back from
+With ``num_speculative_tokens``, a decode also feeds the model up to that many draft tokens
+(ngram_proposer.py) after its last one. Each row is sampled as a plain decode step would sample
+that position (the same logits, the same seeded draw, the drafts before it as output so far): a
+draft is right if it is the token sampled at its position, and the right ones plus the token
+sampled after them are appended at once, exactly what plain steps would have produced. The
+drafts' KV entries are computed in the same forward; the rejected ones are taken back from
 ``num_computed_tokens`` and overwritten later.
 """
 
@@ -64,8 +66,9 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None
     prompt_logprobs: dict[int, list[Logprobs]] | None = None  # chunk index -> its score range's
-    # sampling index -> the model's token after each of that chunk's drafts (greedy)
+    # sampling index -> the tokens sampled after each of that chunk's drafts, and their logprobs
     after_drafts: dict[int, list[int]] = field(default_factory=dict)
+    after_drafts_logprobs: dict[int, list[Logprobs | None]] = field(default_factory=dict)
 
 
 class _WaitingQueue:
@@ -279,10 +282,10 @@ class Scheduler:
         return out
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decode of ``req``: none unless speculation is on and the request
-        is plain greedy (its token is the argmax of the raw logits, so checking a draft is
-        comparing it with the model's argmax), and never more than the request, its context
-        and the step's budget have room for."""
+        """Draft tokens for a decode of ``req``: none unless speculation is on, never more
+        than the request, its context and the step's budget have room for, and none for a
+        request whose draws depend on its output in a way rows of one step cannot share
+        (penalties: their counts are kept per request; min_tokens still masking EOS)."""
         cfg = self.config
         p = req.sampling_params
         k = min(
@@ -293,8 +296,6 @@ class Scheduler:
         )
         if (
             k <= 0
-            or not p.greedy
-            or p.logprobs is not None
             or req.prompt_logprobs is not None
             or req.num_output_tokens < p.min_tokens
             or p.presence_penalty != 0.0
@@ -352,8 +353,8 @@ class Scheduler:
             if chunk.samples:
                 new_tokens = [sampled.token_ids[i]]
                 if chunk.drafts:
-                    # A draft is right if it is the model's token after the rows before it;
-                    # the rest are taken back (their KV entries are overwritten later).
+                    # A draft is right if it is the token sampled at its position; the rest
+                    # are taken back (their KV entries are overwritten later).
                     for draft, after in zip(chunk.drafts, sampled.after_drafts[i], strict=True):
                         if new_tokens[-1] != draft:
                             break
@@ -367,7 +368,9 @@ class Scheduler:
                 _add_prompt_logprobs(req, chunk.score[0], sampled.prompt_logprobs[ci])
             if not chunk.samples:
                 continue
-            lp = sampled.logprobs[i] if sampled.logprobs else None
+            lps = [sampled.logprobs[i] if sampled.logprobs else None]
+            if len(new_tokens) > 1:
+                lps += sampled.after_drafts_logprobs.get(i, [None] * len(chunk.drafts))
             i += 1
             first = req.num_output_tokens == 0
             row, before = len(ids), len(tokens)
@@ -379,13 +382,13 @@ class Scheduler:
                 if status is not None:
                     break
             counts.append(len(tokens) - before)
+            if lps[0] is not None:
+                outputs.logprobs[row] = lps[: counts[-1]]
             if first:
                 outputs.num_cached_tokens[row] = req.num_cached_tokens
                 if req.prompt_logprobs is not None:
                     outputs.prompt_logprobs[row] = req.prompt_logprobs
                     req.prompt_logprobs = None  # handed out: never computed again
-            if lp is not None:
-                outputs.logprobs[row] = [lp]
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

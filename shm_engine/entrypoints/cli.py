@@ -35,7 +35,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int_in(0, MAX_SPECULATIVE_TOKENS),
         default=0,
-        help="draft tokens a greedy decode step guesses by n-gram lookup in its own context and "
+        help="draft tokens a decode step guesses by n-gram lookup in its own context and "
         "checks in the same forward (0: off; pays where outputs copy their input)",
     )
     p.add_argument(

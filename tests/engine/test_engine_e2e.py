@@ -911,9 +911,9 @@ COPY_TEXT = (
 
 @pytest.mark.skipif(DTYPE != "int8", reason="the int8 model's rows do not depend on their batch")
 def test_speculative_decoding_leaves_every_token_as_it_was():
-    """Drafts are checked against the argmax of the same logits a plain decode step computes
-    (a row's result never depends on its batch), so greedy output is the same bits with or
-    without them; sampled requests in the same batches get no drafts and keep theirs too."""
+    """Each row is sampled as a plain decode step samples its position, from the same logits
+    (a row's result never depends on its batch) and, for a seeded request, the same draw: the
+    tokens and logprobs are the same with or without drafts, greedy or sampled."""
     from shm_engine import LLM
 
     prompts = [
@@ -924,7 +924,8 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=48)
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=24)
-    outs = {}
+    with_logprobs = SamplingParams(temperature=0.5, seed=1, logprobs=2, max_tokens=24)
+    outs, logprobs = {}, {}
     for spec, depth in ((0, 1), (4, 1), (4, 2)):
         with LLM(
             dtype=DTYPE, num_kv_blocks=256, in_process=True, batch_queue_size=depth,
@@ -938,10 +939,13 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
             ]
             got = llm.generate(chats, greedy, use_tqdm=False)
             got += llm.generate(chats[:2], sampled, use_tqdm=False)
+            got += llm.generate(chats[:1], with_logprobs, use_tqdm=False)
             outs[spec, depth] = [o.outputs[0].token_ids for o in got]
+            logprobs[spec, depth] = got[-1].outputs[0].logprobs
             stats = llm.get_stats()
         if spec:
             # the copying prompts' drafts are mostly right
             assert stats.spec_accepted_tokens > 0.4 * stats.spec_draft_tokens > 0, stats
     assert outs[4, 1] == outs[0, 1]
     assert outs[4, 2] == outs[0, 1]
+    assert logprobs[4, 1] == logprobs[0, 1] and len(logprobs[0, 1]) == len(outs[0, 1][-1])

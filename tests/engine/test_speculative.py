@@ -10,6 +10,7 @@ import pytest
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.model_runner import _split_draft_rows
 from shm_engine.engine.ngram_proposer import propose_ngram
+from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.request import Request, RequestStatus
 from shm_engine.engine.scheduler import SampledTokens, ScheduledChunk, Scheduler
 from shm_engine.model.batch import BatchInputs
@@ -113,25 +114,39 @@ def test_drafts_never_pass_max_tokens_or_the_context() -> None:
 
 
 @pytest.mark.parametrize(
-    "params",
+    ("params", "drafts"),
     [
-        {"temperature": 0.7},
-        {"temperature": 0.7, "top_k": 1},  # greedy all the same
-        {"repetition_penalty": 1.1},
-        {"frequency_penalty": 0.5},
-        {"presence_penalty": 0.5},
-        {"logprobs": 2},
-        {"min_tokens": 3},
+        ({}, True),
+        ({"temperature": 0.7, "seed": 3}, True),  # each row sampled as its position would be
+        ({"temperature": 0.7, "top_p": 0.9}, True),
+        ({"logprobs": 2}, True),
+        ({"repetition_penalty": 1.1}, False),  # counts kept per request, not per row
+        ({"frequency_penalty": 0.5}, False),
+        ({"presence_penalty": 0.5}, False),
+        ({"min_tokens": 3}, False),  # EOS still masked
     ],
-)
-def test_only_plain_greedy_requests_get_drafts(params: dict) -> None:
-    """Checking a draft is comparing it with the argmax of the raw logits: right only for
-    plain greedy requests."""
+)  # fmt: skip
+def test_which_requests_get_drafts(params: dict, drafts: bool) -> None:
     s = speculating()
     sp = SamplingParams(**{"temperature": 0.0, "max_tokens": 10, **params})
     s.add_request(Request("r", [7, 8, 9, 7], sp, (EOS,), 10))
     s.update_from_output(s.schedule(), SampledTokens([8]))
-    assert bool(s.schedule().chunks[0].drafts) == ("top_k" in params)
+    assert bool(s.schedule().chunks[0].drafts) == drafts
+
+
+def test_the_logprobs_of_each_appended_token() -> None:
+    s = speculating()
+    req = decoding(s, [7, 8, 9, 7], max_tokens=10, logprobs=1)
+    out = s.schedule()
+    lp = [Logprobs([t], [-0.5 * t], 1) for t in (9, 7, 5, 1)]
+    res = s.update_from_output(
+        out,
+        SampledTokens([9], [lp[0]], after_drafts={0: [7, 5, 1]},
+                      after_drafts_logprobs={0: lp[1:]}),
+    )  # fmt: skip
+    # 9 and 7 were right, 5 was sampled where the draft said 8: three tokens, three logprobs
+    assert res.new_token_ids == [9, 7, 5] and req.output_token_ids[-3:] == [9, 7, 5]
+    assert res.logprobs == {0: lp[:3]}
 
 
 def test_drafts_leave_a_free_block_for_every_running_request() -> None:
@@ -189,6 +204,10 @@ def test_batch_rows_of_a_chunk_with_drafts() -> None:
     chunks = [ScheduledChunk(a, 0, 4, [0], True), ScheduledChunk(b, 2, 3, [1], True, drafts=[9, 9])]
     out = _split_draft_rows(chunks, [40, 41, 42, 43])
     assert out.token_ids == [40, 41] and out.after_drafts == {1: [42, 43]}
+    assert out.logprobs is None
+    lps = [Logprobs([t], [-1.0], 1) for t in (40, 41, 42, 43)]
+    out = _split_draft_rows(chunks, [40, 41, 42, 43], lps)
+    assert out.logprobs == lps[:2] and out.after_drafts_logprobs == {1: lps[2:]}
     with pytest.raises(ValueError, match="logit_rows"):
         BatchInputs.build([([1, 2, 3], 0, 3, [0])], 4, [2])
 
