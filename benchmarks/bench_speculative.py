@@ -7,7 +7,7 @@ the first is the baseline) gets an engine process of its own, all started at onc
 then runs on each engine in turn, round after round, so a slow phase of the machine hits all of
 them alike. Reports each prompt's tok/s (median over rounds, prefill included), the whole set's,
 its ratio to the baseline, drafts accepted, and whether the tokens equal the baseline's (they
-must: greedy). The prompts are chat turns, four whose answers copy the prompt (the case the
+must: greedy, or with `--temperature`, sampled with a seed per prompt). The prompts are chat turns, four whose answers copy the prompt (the case the
 method is for) and two that do not.
 """
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", nargs="+", type=parse_config, default=["0", "2", "4"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs = [c if isinstance(c, tuple) else parse_config(c) for c in args.configs]
@@ -81,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             for p in PROMPTS
         ]
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        params = [
+            SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.max_tokens)
+            for i in range(len(chats))
+        ]
         for llm in llms.values():  # warm-up
             llm.generate(chats[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         times = {c: [[] for _ in PROMPTS] for c in configs}
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, chat in enumerate(chats):
                 for c, llm in llms.items():
                     t0 = time.perf_counter()
-                    out = llm.generate([chat], params, use_tqdm=False)[0]
+                    out = llm.generate([chat], params[i], use_tqdm=False)[0]
                     times[c][i].append(time.perf_counter() - t0)
                     tokens[c][i] = out.outputs[0].token_ids
         stats = {c: llm.get_stats() for c, llm in llms.items()}
