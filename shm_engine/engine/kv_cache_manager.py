@@ -118,6 +118,16 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(needed))
         return True
 
+    def free_surplus(self, req: Request) -> None:
+        """Give back the blocks past those the computed tokens fill (taken for draft tokens
+        that were rejected: never published, since only known tokens' blocks are)."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = self.blocks_needed(req.num_computed_tokens)
+        if blocks and len(blocks) > keep:
+            surplus = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(surplus))
+
     def cache_computed(self, req: Request) -> None:
         """Publish the request's full, computed blocks in the prefix cache."""
         if not self.enable_caching:

@@ -230,29 +230,24 @@ class OutputProcessor:
                 parent.prompt_logprobs = [None] + [
                     self._position(lp) for lp in out.prompt_logprobs[row]
                 ]
-            comp = state.completion
-            comp.token_ids.extend(new_ids)
-            if row in out.logprobs:
-                self._add_logprobs(comp, out.logprobs[row])
             finish = out.finished.get(row)
-            params = state.params
-            if finish == "stop" and not params.include_stop_str_in_output:
-                new_ids = new_ids[:-1]  # the EOS or stop token: its text is not output (vLLM)
-            delta = state.detok.add(new_ids)
-            if finish is not None:
-                delta += state.detok.flush()
-                comp.stop_reason = out.stop_reasons.get(row)
-            comp.text += delta
-            # Stop strings count only past min_tokens, like vLLM's.
-            if (
-                params.stop
-                and len(comp.token_ids) > params.min_tokens
-                and self._check_stop_strings(state, len(delta))
-            ):
-                finish = "stop"
+            lps = out.logprobs.get(row)
+            if n > 1 and state.params.stop:
+                # NOTE: several tokens of one step (speculative decoding) are applied one by
+                # one, so a stop string ends the output at the token that completed it, with
+                # the token ids and logprobs one token a step would have given
+                for j, token in enumerate(new_ids):
+                    last = j == n - 1
+                    stopped = self._apply(
+                        state, [token], lps[j : j + 1] if lps else None,
+                        finish if last else None, out.stop_reasons.get(row) if last else None,
+                    )  # fmt: skip
+                    if stopped:
+                        break
+            else:
+                stopped = self._apply(state, new_ids, lps, finish, out.stop_reasons.get(row))
+            if stopped:
                 to_abort.append(eid)
-            if finish is not None:
-                comp.finish_reason = finish
             touched[parent.request_id] = parent
         results = []
         for parent in touched.values():
@@ -263,6 +258,39 @@ class OutputProcessor:
                     self.states.pop(c.engine_id, None)
             results.append(parent.output())
         return results, to_abort
+
+    def _apply(
+        self,
+        state: _RequestState,
+        new_ids: list[int],
+        lps: list[Logprobs] | None,
+        finish: str | None,
+        stop_reason: int | str | None,
+    ) -> bool:
+        """Add a step's tokens to a completion; True if a stop string ended it here (the
+        engine request is then aborted)."""
+        comp, params = state.completion, state.params
+        comp.token_ids.extend(new_ids)
+        if lps:
+            self._add_logprobs(comp, lps)
+        if finish == "stop" and not params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # the EOS or stop token: its text is not output (vLLM)
+        delta = state.detok.add(new_ids)
+        if finish is not None:
+            delta += state.detok.flush()
+            comp.stop_reason = stop_reason
+        comp.text += delta
+        # Stop strings count only past min_tokens, like vLLM's.
+        stopped = bool(
+            params.stop
+            and len(comp.token_ids) > params.min_tokens
+            and self._check_stop_strings(state, len(delta))
+        )
+        if stopped:
+            finish = "stop"
+        if finish is not None:
+            comp.finish_reason = finish
+        return stopped
 
     def _check_stop_strings(self, state: _RequestState, delta_len: int) -> bool:
         """Find a stop string that the new text completed; truncate the text there."""

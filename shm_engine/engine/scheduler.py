@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.kv_cache_manager import KVCacheManager
-from shm_engine.engine.ngram_proposer import propose_ngram
+from shm_engine.engine.ngram_proposer import NgramProposer
 from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, SchedulerStats
 from shm_engine.engine.request import FINISH_REASON, Request, RequestStatus
 
@@ -144,8 +144,11 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.step_count = 0
-        self.num_draft_tokens = 0  # speculative decoding: drafts checked, and found right
+        self.num_draft_tokens = 0  # speculative decoding: drafts checked, and output
         self.num_accepted_tokens = 0
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -205,23 +208,10 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = self._chunk_size(req, remaining, budget)
+            n = self._chunk_size(req, req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            # NOTE: drafts only where their blocks leave a free one for every running request's
-            # own next token: they never cause a preemption
-            drafts = self._drafts(req, budget) if remaining == 1 else []
-            reserve = self.kv.num_free_blocks - len(self.running)
-            if (
-                drafts
-                and self.kv.blocks_to_allocate(req, 1 + len(drafts)) <= reserve
-                and self.kv.allocate(req, 1 + len(drafts))
-            ):
-                n = 1 + len(drafts)
-            else:
-                drafts = []
-            while not drafts and not self.kv.allocate(req, n):
+            while not self.kv.allocate(req, n):
                 victim = self._pick_victim()
                 chunk = scheduled.pop(victim.request_id, None)
                 if chunk is not None:
@@ -233,9 +223,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            scheduled[req.request_id] = ScheduledChunk(
-                req, req.num_computed_tokens, n, [], drafts=drafts
-            )
+            scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n, [])
             budget -= n
 
         while (
@@ -263,6 +251,9 @@ class Scheduler:
             scheduled[req.request_id] = ScheduledChunk(req, num_cached, n, [])
             budget -= n
 
+        if self.config.num_speculative_tokens and not preempted:
+            self._add_drafts(scheduled.values(), budget)
+
         for chunk in scheduled.values():
             req = chunk.request
             chunk.block_ids = self.kv.block_ids(req)
@@ -281,16 +272,36 @@ class Scheduler:
             self.step_count += 1
         return out
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decode of ``req``: none unless speculation is on, never more
-        than the request, its context and the step's budget have room for, and none for a
-        request whose draws depend on its output in a way rows of one step cannot share
-        (penalties: their counts are kept per request; min_tokens still masking EOS)."""
-        cfg = self.config
+    def _add_drafts(self, chunks, budget: int) -> None:
+        """Give the step's decodes drafts from what is left of its budget and free blocks.
+
+        NOTE: after every running and admitted request has its share, so drafts never take a
+        token or a block another request needed this step, and never preempt; the blocks of
+        rejected drafts go back when the step's result arrives (update_from_output)."""
+        for chunk in chunks:
+            if budget <= 0:
+                return
+            req = chunk.request
+            if chunk.num_tokens != 1 or req.num_tokens - req.num_computed_tokens != 1:
+                continue  # a prefill chunk
+            drafts = self._drafts(req, budget)
+            while drafts and self.kv.blocks_to_allocate(req, 1 + len(drafts)) > (
+                self.kv.num_free_blocks
+            ):
+                drafts.pop()
+            if drafts and self.kv.allocate(req, 1 + len(drafts)):
+                chunk.drafts = drafts
+                chunk.num_tokens += len(drafts)
+                budget -= len(drafts)
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """Draft tokens for a decode of ``req``: at most ``room``, never more than the
+        request and its context have room for, and none for a request whose draws depend on
+        its output in a way rows of one step cannot share (penalties: their counts are kept
+        per request; min_tokens still masking EOS)."""
         p = req.sampling_params
         k = min(
-            cfg.num_speculative_tokens,
-            budget - 1,
+            room,
             req.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
@@ -303,7 +314,7 @@ class Scheduler:
             or p.repetition_penalty != 1.0
         ):
             return []
-        return propose_ngram(req.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return self.proposer.propose(req.request_id, req.all_token_ids, k)
 
     def _chunk_size(self, req: Request, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
@@ -359,10 +370,9 @@ class Scheduler:
                         if new_tokens[-1] != draft:
                             break
                         new_tokens.append(after)
-                    accepted = len(new_tokens) - 1
-                    req.num_computed_tokens -= len(chunk.drafts) - accepted
+                    req.num_computed_tokens -= len(chunk.drafts) - (len(new_tokens) - 1)
+                    self.kv.free_surplus(req)  # blocks taken for rejected drafts
                     self.num_draft_tokens += len(chunk.drafts)
-                    self.num_accepted_tokens += accepted
             self.kv.cache_computed(req)
             if chunk.score is not None and sampled.prompt_logprobs:
                 _add_prompt_logprobs(req, chunk.score[0], sampled.prompt_logprobs[ci])
@@ -382,6 +392,7 @@ class Scheduler:
                 if status is not None:
                     break
             counts.append(len(tokens) - before)
+            self.num_accepted_tokens += counts[-1] - 1 if chunk.drafts else 0
             if lps[0] is not None:
                 outputs.logprobs[row] = lps[: counts[-1]]
             if first:
@@ -414,6 +425,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        self.proposer.drop(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 

@@ -72,12 +72,13 @@ def test_the_earliest_stop_string_wins_and_the_engine_request_is_aborted(tokeniz
 
 @pytest.mark.parametrize("stop", [[], ["five", "three"]])
 def test_several_tokens_a_step_give_what_one_a_step_gives(tokenizer, stop):
-    """A speculative decode step delivers several tokens of a request at once."""
+    """A speculative decode step delivers several tokens of a request at once: the text, token
+    ids, finish and stop reason are those of one token a step."""
     ids = tokenizer.encode("one two three four five six seven", add_special_tokens=False)
 
     def run(per_step: int):
         proc = OutputProcessor(tokenizer)
-        proc.add_request("a", None, [1], SamplingParams(stop=stop, max_tokens=len(ids)))
+        proc.add_request("a", None, [1], SamplingParams(stop=stop, max_tokens=len(ids), logprobs=0))
         out, aborts = None, []
         for i in range(0, len(ids), per_step):
             part = ids[i : i + per_step]
@@ -86,6 +87,7 @@ def test_several_tokens_a_step_give_what_one_a_step_gives(tokenizer, stop):
                 EngineCoreOutputs(
                     request_ids=["a"], num_new_tokens=[len(part)], new_token_ids=part,
                     finished={0: "length"} if last else {},
+                    logprobs={0: [Logprobs([t], [-0.5], 1) for t in part]},
                 )
             )  # fmt: skip
             aborts += ab
@@ -93,10 +95,13 @@ def test_several_tokens_a_step_give_what_one_a_step_gives(tokenizer, stop):
             if out is not None and out.finished:
                 break
         c = out.outputs[0]
-        return c.text, c.finish_reason, c.stop_reason, aborts
+        assert len(c.logprobs) == len(c.token_ids)
+        return c.text, c.token_ids, c.finish_reason, c.stop_reason, aborts
 
     assert run(3) == run(1)
     assert run(len(ids)) == run(1)
+    if stop:  # the token ids end at the token that completed the stop string
+        assert len(run(1)[1]) < len(ids)
 
 
 def test_stop_string_across_token_boundaries(tokenizer):

@@ -100,6 +100,7 @@ def test_eos_among_the_right_drafts_ends_the_request_there() -> None:
     res = s.update_from_output(out, SampledTokens([9], after_drafts={0: [EOS, 8, 9]}))
     # 9 right, then the model's token after it is EOS: nothing after it is output
     assert res.new_token_ids == [9, EOS] and res.finished == {0: "stop"}
+    assert (s.num_draft_tokens, s.num_accepted_tokens) == (3, 1)  # 8 was right, not output
     assert req.status == RequestStatus.FINISHED_STOPPED
     assert s.kv.num_free_blocks == s.kv.pool.num_blocks
 
@@ -149,14 +150,48 @@ def test_the_logprobs_of_each_appended_token() -> None:
     assert res.logprobs == {0: lp[:3]}
 
 
-def test_drafts_leave_a_free_block_for_every_running_request() -> None:
-    # block size 4: the drafts' rows would open a new block, and only one block is free
-    s = speculating(num_blocks=3, block_size=4)
+def test_drafts_take_only_the_blocks_left_after_every_other_request() -> None:
+    """A decode with drafts first in line, then a prompt whose admission needs every free
+    block: the prompt gets them, the decode's drafts what is left (a first version gave the
+    drafts two of the blocks first, and the prompt had to wait)."""
+    s = speculating(num_blocks=7, block_size=2, budget=16)
+    decoding(s, [7, 8, 9, 7], max_tokens=10)  # 5 tokens, 2 blocks held
+    s.add_request(make_request("b", list(range(100, 108)), max_tokens=2))
+    out = s.schedule()
+    assert not out.preempted_ids and s.kv.num_free_blocks == 0
+    # one draft: the rest of the block the decode's own token opened
+    assert [(c.request.request_id, c.num_tokens, c.drafts) for c in out.chunks] == [
+        ("r", 2, [9]), ("b", 8, []),
+    ]  # fmt: skip
+
+
+def test_drafts_are_cut_to_the_free_blocks() -> None:
+    s = speculating(num_blocks=3, block_size=4, max_model_len=12)
     req = decoding(s, [7, 8, 9, 7, 8, 9, 7], max_tokens=4)  # 8 tokens: 2 blocks held, 1 free
-    assert s.kv.num_free_blocks == 1
     chunk = s.schedule().chunks[0]
-    assert not chunk.drafts and chunk.num_tokens == 1
-    assert req.num_computed_tokens == 8
+    assert chunk.drafts == [9, 7] and req.num_computed_tokens == 10  # max_tokens leaves 2
+
+
+def test_rejected_drafts_give_their_blocks_back() -> None:
+    s = speculating(num_blocks=8, block_size=2)
+    req = decoding(s, [7, 8, 9, 7], max_tokens=10)  # 5 tokens, 3 blocks
+    out = s.schedule()
+    assert out.chunks[0].drafts == [9, 7, 8] and len(s.kv.block_ids(req)) == 4
+    s.update_from_output(out, SampledTokens([1], after_drafts={0: [2, 3, 4]}))
+    # no draft was right: 5 tokens computed, 6 known; the fourth block goes back
+    assert req.num_computed_tokens == 5 and len(s.kv.block_ids(req)) == 3
+    assert s.kv.num_free_blocks == 5
+
+
+def test_every_running_request_gets_its_token_before_any_draft() -> None:
+    s = speculating(budget=16)
+    for rid in "abc":
+        s.add_request(make_request(rid, [7, 8, 9, 7], max_tokens=10))
+    out = s.schedule()
+    s.update_from_output(out, SampledTokens([8, 8, 8]))
+    s.config.max_num_batched_tokens = 3
+    chunks = s.schedule().chunks
+    assert [(c.num_tokens, c.drafts) for c in chunks] == [(1, []), (1, []), (1, [])]
 
 
 def test_drafts_count_against_the_step_budget() -> None:
