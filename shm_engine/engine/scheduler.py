@@ -277,7 +277,12 @@ class Scheduler:
 
         NOTE: after every running and admitted request has its share, so drafts never take a
         token or a block another request needed this step, and never preempt; the blocks of
-        rejected drafts go back when the step's result arrives (update_from_output)."""
+        rejected drafts go back when the step's result arrives (update_from_output). A block a
+        running request (and step in flight) stays free for the next steps, where each may
+        need one more: drafts that took the last ones, and were right, left a request nothing
+        for its next token. A request that moves ahead faster can still meet a full cache
+        sooner than it would have."""
+        reserve = len(self.running) * self.config.batch_queue_size
         for chunk in chunks:
             if budget <= 0:
                 return
@@ -285,9 +290,11 @@ class Scheduler:
             if chunk.num_tokens != 1 or req.num_tokens - req.num_computed_tokens != 1:
                 continue  # a prefill chunk
             drafts = self._drafts(req, budget)
-            while drafts and self.kv.blocks_to_allocate(req, 1 + len(drafts)) > (
-                self.kv.num_free_blocks
-            ):
+            free = self.kv.num_free_blocks - reserve
+            while drafts:
+                extra = self.kv.blocks_to_allocate(req, 1 + len(drafts))
+                if extra == 0 or extra <= free:  # the rest of a held block is always free
+                    break
                 drafts.pop()
             if drafts and self.kv.allocate(req, 1 + len(drafts)):
                 chunk.drafts = drafts

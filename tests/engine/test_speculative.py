@@ -165,11 +165,14 @@ def test_drafts_take_only_the_blocks_left_after_every_other_request() -> None:
     ]  # fmt: skip
 
 
-def test_drafts_are_cut_to_the_free_blocks() -> None:
-    s = speculating(num_blocks=3, block_size=4, max_model_len=12)
-    req = decoding(s, [7, 8, 9, 7, 8, 9, 7], max_tokens=4)  # 8 tokens: 2 blocks held, 1 free
+def test_drafts_are_cut_to_the_free_blocks_past_a_reserve() -> None:
+    """Drafts leave a free block a running request (each may need one next step)."""
+    s = speculating(num_blocks=6, block_size=2)
+    req = decoding(s, [7, 8, 9, 7, 8, 9, 7], max_tokens=10)  # 7 computed: 4 blocks, 2 free
     chunk = s.schedule().chunks[0]
-    assert chunk.drafts == [9, 7] and req.num_computed_tokens == 10  # max_tokens leaves 2
+    # drafts 9 7 8 would take two new blocks; one is free past the reserve
+    assert chunk.drafts == [9, 7] and req.num_computed_tokens == 10
+    assert s.kv.num_free_blocks == 1
 
 
 def test_rejected_drafts_give_their_blocks_back() -> None:
