@@ -25,6 +25,7 @@ from shm_engine.entrypoints import cli
         (["serve", "--model", "/nonexistent"], "does not exist"),
         (["serve", "--max-model-len", "100000"], "exceeds the model's context length (8192"),
         (["serve", "-dp", "64"], "64 replicas need at least 64 cores"),
+        (["serve", "--prompt-lookup-min", "5"], "prompt_lookup_min and prompt_lookup_max"),
     ],
 )
 def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
@@ -43,6 +44,7 @@ def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
         ["generate", "hi", "--dtype", "bf16"],
         ["chat", "--kv-cache-dtype", "fp8"],
         ["generate", "hi", "--activation-dtype", "fp8"],
+        ["serve", "--num-speculative-tokens", "17"],
         ["bench", "nothing"],
     ],
 )
@@ -138,3 +140,15 @@ def test_serve_reports_an_engine_that_cannot_start_in_one_line() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("shm-engine serve: error: engine failed to start: ValueError: ")
     assert "does not fit in the KV cache" in last
+
+
+def test_serve_passes_the_speculative_settings_to_the_engine() -> None:
+    args = cli.build_parser().parse_args(
+        ["serve", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1",
+         "--prompt-lookup-max", "5"]
+    )  # fmt: skip
+    config = cli.serve_config(args)
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
+        3, 1, 5,
+    )  # fmt: skip
+    assert cli.serve_config(cli.build_parser().parse_args(["serve"])).num_speculative_tokens == 0
