@@ -305,7 +305,8 @@ class Scheduler:
         """Draft tokens for a decode of ``req``: at most ``room``, never more than the
         request and its context have room for, and none for a request whose draws depend on
         its output in a way rows of one step cannot share (penalties: their counts are kept
-        per request; min_tokens still masking EOS)."""
+        per request). min_tokens is each row's own: the sampler masks EOS by the row's
+        output length, drafts included."""
         p = req.sampling_params
         k = min(
             room,
@@ -315,7 +316,6 @@ class Scheduler:
         if (
             k <= 0
             or req.prompt_logprobs is not None
-            or req.num_output_tokens < p.min_tokens
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or p.repetition_penalty != 1.0

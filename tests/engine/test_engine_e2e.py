@@ -925,6 +925,7 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
     greedy = SamplingParams(temperature=0.0, max_tokens=48)
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=24)
     with_logprobs = SamplingParams(temperature=0.5, seed=1, logprobs=2, max_tokens=24)
+    min_tokens = SamplingParams(temperature=0.0, min_tokens=30, max_tokens=40)  # EOS masked
     outs, logprobs = {}, {}
     for spec, depth in ((0, 1), (4, 1), (4, 2)):
         with LLM(
@@ -939,6 +940,7 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
             ]
             got = llm.generate(chats, greedy, use_tqdm=False)
             got += llm.generate(chats[:2], sampled, use_tqdm=False)
+            got += llm.generate(chats[3:], min_tokens, use_tqdm=False)
             got += llm.generate(chats[:1], with_logprobs, use_tqdm=False)
             outs[spec, depth] = [o.outputs[0].token_ids for o in got]
             logprobs[spec, depth] = got[-1].outputs[0].logprobs

@@ -124,7 +124,7 @@ def test_drafts_never_pass_max_tokens_or_the_context() -> None:
         ({"repetition_penalty": 1.1}, False),  # counts kept per request, not per row
         ({"frequency_penalty": 0.5}, False),
         ({"presence_penalty": 0.5}, False),
-        ({"min_tokens": 3}, False),  # EOS still masked
+        ({"min_tokens": 3}, True),  # each row masks EOS by its own output length
     ],
 )  # fmt: skip
 def test_which_requests_get_drafts(params: dict, drafts: bool) -> None:
