@@ -39,10 +39,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # accurate: docs/kernels.md, "8-bit activations")
     activation_dtype: str = "int16"
     log_stats: bool = True
-    # Speculative decoding by n-gram lookup (ngram_proposer.py), for requests without
-    # penalties: up to this many draft tokens a decode step, checked in the same forward (0:
-    # off; the same tokens, see Scheduler); drafts
-    # continue the most recent earlier occurrence of the last n tokens, n from max down to min
+    # Speculative decoding by n-gram lookup (ngram_proposer.py): up to this many draft tokens
+    # a decode step, checked in the same forward (0: off; the same tokens, see Scheduler);
+    # drafts continue the most recent earlier occurrence of the last n tokens, n from max down
+    # to min
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

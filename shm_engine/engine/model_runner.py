@@ -238,19 +238,26 @@ class ModelRunner:
                 return SampledTokens(tokens)
             return _split_draft_rows(sampling, tokens)
         histories = [c.request.output_token_ids for c in sampling]
+        checkpoints = []
         if drafted:
             # NOTE: a row after drafts is sampled with them as output so far: the step count
-            # that keys a seeded draw, min_tokens (Scheduler gives no drafts to requests with
-            # penalties, whose counts the state keeps per request)
+            # that keys a seeded draw, min_tokens, the penalties' counts (the rows of a request
+            # come in order, each folding in one more draft; the counts go back afterwards)
             row_states, row_histories = [], []
             for c, state, history in zip(sampling, states, histories, strict=True):
                 row_states.append(state)
                 row_histories.append(history)
+                if c.drafts and state.has_penalties:
+                    checkpoints.append((state, state.checkpoint()))
                 for j in range(len(c.drafts)):
                     row_states.append(state)
                     row_histories.append(history + c.drafts[: j + 1])
             states, histories = row_states, row_histories
-        result = self.sampler.sample(logits, states, histories)
+        try:
+            result = self.sampler.sample(logits, states, histories)
+        finally:
+            for state, checkpoint in checkpoints:
+                state.restore(checkpoint)
         logprobs = None
         if result.logprobs is not None:
             logprobs = [

@@ -303,23 +303,13 @@ class Scheduler:
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens for a decode of ``req``: at most ``room``, never more than the
-        request and its context have room for, and none for a request whose draws depend on
-        its output in a way rows of one step cannot share (penalties: their counts are kept
-        per request). min_tokens is each row's own: the sampler masks EOS by the row's
-        output length, drafts included."""
-        p = req.sampling_params
+        request and its context have room for (none while prompt logprobs are owed)."""
         k = min(
             room,
             req.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
-        if (
-            k <= 0
-            or req.prompt_logprobs is not None
-            or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0
-            or p.repetition_penalty != 1.0
-        ):
+        if k <= 0 or req.prompt_logprobs is not None:
             return []
         return self.proposer.propose(req.request_id, req.all_token_ids, k)
 

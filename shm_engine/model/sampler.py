@@ -95,6 +95,17 @@ class SamplingState:
     def has_penalties(self) -> bool:
         return self.needs_counts or self.needs_seen
 
+    def checkpoint(self) -> tuple:
+        """The penalty counts as they are, for ``restore``: rows sampled after draft tokens
+        fold the drafts into them, and only tokens that turn out right may count later."""
+        if self.counts is None:
+            return None, None, 0
+        assert self.seen is not None
+        return self.counts.clone(), self.seen.clone(), self.n_counted
+
+    def restore(self, checkpoint: tuple) -> None:
+        self.counts, self.seen, self.n_counted = checkpoint
+
     def update(self, output_ids: Sequence[int], vocab_size: int) -> None:
         """Fold output tokens generated since the last call into counts / seen."""
         if not self.has_penalties:

@@ -912,8 +912,9 @@ COPY_TEXT = (
 @pytest.mark.skipif(DTYPE != "int8", reason="the int8 model's rows do not depend on their batch")
 def test_speculative_decoding_leaves_every_token_as_it_was():
     """Each row is sampled as a plain decode step samples its position, from the same logits
-    (a row's result never depends on its batch) and, for a seeded request, the same draw: the
-    tokens and logprobs are the same with or without drafts, greedy or sampled."""
+    (a row's result never depends on its batch), the same penalties and EOS mask and, for a
+    seeded request, the same draw: the tokens and logprobs are the same with or without
+    drafts, greedy or sampled."""
     from shm_engine import LLM
 
     prompts = [
@@ -926,6 +927,9 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=24)
     with_logprobs = SamplingParams(temperature=0.5, seed=1, logprobs=2, max_tokens=24)
     min_tokens = SamplingParams(temperature=0.0, min_tokens=30, max_tokens=40)  # EOS masked
+    penalized = SamplingParams(
+        temperature=0.0, max_tokens=32, frequency_penalty=0.3, repetition_penalty=1.05
+    )
     outs, logprobs = {}, {}
     for spec, depth in ((0, 1), (4, 1), (4, 2)):
         with LLM(
@@ -941,6 +945,7 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
             got = llm.generate(chats, greedy, use_tqdm=False)
             got += llm.generate(chats[:2], sampled, use_tqdm=False)
             got += llm.generate(chats[3:], min_tokens, use_tqdm=False)
+            got += llm.generate(chats[:2], penalized, use_tqdm=False)
             got += llm.generate(chats[:1], with_logprobs, use_tqdm=False)
             outs[spec, depth] = [o.outputs[0].token_ids for o in got]
             logprobs[spec, depth] = got[-1].outputs[0].logprobs

@@ -121,9 +121,9 @@ def test_drafts_never_pass_max_tokens_or_the_context() -> None:
         ({"temperature": 0.7, "seed": 3}, True),  # each row sampled as its position would be
         ({"temperature": 0.7, "top_p": 0.9}, True),
         ({"logprobs": 2}, True),
-        ({"repetition_penalty": 1.1}, False),  # counts kept per request, not per row
-        ({"frequency_penalty": 0.5}, False),
-        ({"presence_penalty": 0.5}, False),
+        ({"repetition_penalty": 1.1}, True),  # each row's counts fold in its drafts
+        ({"frequency_penalty": 0.5}, True),
+        ({"presence_penalty": 0.5}, True),
         ({"min_tokens": 3}, True),  # each row masks EOS by its own output length
     ],
 )  # fmt: skip
