@@ -99,6 +99,31 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return len(self.cpu_ids) if self.cpu_ids else len(os.sched_getaffinity(0))
 
 
+_SPECULATIVE_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def speculative_args(speculative_config: dict | None) -> dict:
+    """EngineConfig's speculative fields from vLLM's ``speculative_config`` (``{"method":
+    "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}``), so vLLM users'
+    settings work unchanged; ValueError for what this engine does not do (draft models)."""
+    if not speculative_config:
+        return {}
+    if not isinstance(speculative_config, dict):
+        raise ValueError("speculative_config must be an object")
+    spec = dict(speculative_config)
+    method = spec.pop("method", "ngram")
+    if method != "ngram":
+        raise ValueError(
+            f"speculative_config: only method 'ngram' (n-gram lookup) is supported, got {method!r}"
+        )
+    unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported keys {unknown}")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    return spec
+
+
 def check_max_model_len(
     max_model_len: int | None, limit: int, what: str = "the model's context length"
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import select
 import signal
@@ -44,6 +45,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-lookup-max", type=int_in(1), default=4, help="longest n-gram matched for drafts"
     )
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='vLLM\'s spelling of the three above, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 2}\' (overrides them)',
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -68,12 +76,26 @@ def _build_llm(args):
     )
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _speculative(args) -> dict:
-    return dict(
+    from shm_engine.engine.config import speculative_args
+
+    spec = dict(
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
     )
+    spec.update(speculative_args(args.speculative_config))
+    return spec
 
 
 def _params(args):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from shm_engine.engine.client import EngineDeadError, InprocClient, SyncMPClient
-from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.config import EngineConfig, speculative_args
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest
 from shm_engine.entrypoints.async_engine import (
@@ -44,10 +44,14 @@ class LLM:
         *,
         in_process: bool = False,
         data_parallel_size: int = 1,
+        speculative_config: dict | None = None,
         **engine_args: Any,
     ):
+        """``engine_args`` are EngineConfig's; ``speculative_config`` is vLLM's spelling of its
+        speculative fields (``{"method": "ngram", "num_speculative_tokens": K, ...}``)."""
         from shm_engine.model.loader import load_model_info
 
+        engine_args.update(speculative_args(speculative_config))
         self.config = EngineConfig(model=model, **engine_args)
         # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
         info = load_model_info(model)

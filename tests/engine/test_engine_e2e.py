@@ -934,7 +934,9 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
     for spec, depth in ((0, 1), (4, 1), (4, 2)):
         with LLM(
             dtype=DTYPE, num_kv_blocks=256, in_process=True, batch_queue_size=depth,
-            num_speculative_tokens=spec, prompt_lookup_min=1,
+            # vLLM's spelling of the settings
+            speculative_config={"method": "ngram", "num_speculative_tokens": spec,
+                                "prompt_lookup_min": 1},
         ) as llm:  # fmt: skip
             chats = [
                 llm.get_tokenizer().apply_chat_template(

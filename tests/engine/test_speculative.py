@@ -216,6 +216,22 @@ def test_a_request_with_drafts_in_flight_is_not_scheduled_again() -> None:
     assert s.schedule().chunks[0].start == req.num_tokens - 1
 
 
+def test_vllm_speculative_config_is_understood() -> None:
+    from shm_engine.engine.config import speculative_args
+
+    assert speculative_args(None) == {}
+    assert speculative_args({"method": "ngram", "num_speculative_tokens": 3}) == {
+        "num_speculative_tokens": 3
+    }
+    for bad, why in [
+        ({"model": "draft", "num_speculative_tokens": 3}, "unsupported keys"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "only method 'ngram'"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            speculative_args(bad)
+
+
 def test_speculation_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=17)

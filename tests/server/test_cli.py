@@ -26,6 +26,10 @@ from shm_engine.entrypoints import cli
         (["serve", "--max-model-len", "100000"], "exceeds the model's context length (8192"),
         (["serve", "-dp", "64"], "64 replicas need at least 64 cores"),
         (["serve", "--prompt-lookup-min", "5"], "prompt_lookup_min and prompt_lookup_max"),
+        (
+            ["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+            "only method 'ngram'",
+        ),
     ],
 )
 def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
@@ -45,6 +49,8 @@ def test_bad_values_get_one_line_and_status_2(argv, message, capsys) -> None:
         ["chat", "--kv-cache-dtype", "fp8"],
         ["generate", "hi", "--activation-dtype", "fp8"],
         ["serve", "--num-speculative-tokens", "17"],
+        ["serve", "--speculative-config", "{not json"],
+        ["serve", "--speculative-config", "[1]"],
         ["bench", "nothing"],
     ],
 )
@@ -152,3 +158,9 @@ def test_serve_passes_the_speculative_settings_to_the_engine() -> None:
         3, 1, 5,
     )  # fmt: skip
     assert cli.serve_config(cli.build_parser().parse_args(["serve"])).num_speculative_tokens == 0
+    vllm_style = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    args = cli.build_parser().parse_args(["serve", "--speculative-config", vllm_style])
+    config = cli.serve_config(args)
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
+        4, 2, 3,
+    )  # fmt: skip
