@@ -1,14 +1,14 @@
 """Speculative decoding by n-gram lookup against plain decoding, batch 1, side by side.
 
-    python -m benchmarks.bench_speculative [--configs 0 2:2:4 4:2:4] [--rounds 3] [--json PATH]
+    python -m benchmarks.bench_speculative [--configs 0 2 4:3:5] [--temperature T] [--json PATH]
 
 Each config (k, or k:min:max for num_speculative_tokens:prompt_lookup_min:prompt_lookup_max;
 the first is the baseline) gets an engine process of its own, all started at once; every prompt
 then runs on each engine in turn, round after round, so a slow phase of the machine hits all of
 them alike. Reports each prompt's tok/s (median over rounds, prefill included), the whole set's,
 its ratio to the baseline, drafts accepted, and whether the tokens equal the baseline's (they
-must: greedy, or with `--temperature`, sampled with a seed per prompt). The prompts are chat turns, four whose answers copy the prompt (the case the
-method is for) and two that do not.
+must: greedy, or with `--temperature`, sampled with a seed per prompt). The prompts are chat
+turns, four whose answers copy the prompt (the case the method is for) and two that do not.
 """
 
 from __future__ import annotations

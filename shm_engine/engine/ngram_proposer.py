@@ -41,12 +41,12 @@ class NgramProposer:
     that takes the new tokens each call: converting a 4k-token list every step cost ~0.2-0.3 ms
     a request (a review's measurement), the search itself a few microseconds."""
 
-    def __init__(self, k: int, min_n: int, max_n: int) -> None:
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
         self._buffers: dict[str, tuple[np.ndarray, int]] = {}
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
-        """Drafts (at most ``min(k, self.k)``) for a request whose tokens are ``tokens``."""
+        """Up to ``k`` drafts for a request whose tokens are ``tokens``."""
         buf, n = self._buffers.get(request_id, (None, 0))
         if buf is None or len(tokens) > len(buf):
             grown = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
@@ -57,7 +57,7 @@ class NgramProposer:
             n = 0
         buf[n : len(tokens)] = tokens[n:]
         self._buffers[request_id] = (buf, len(tokens))
-        return propose_ngram(buf[: len(tokens)], min(k, self.k), self.min_n, self.max_n)
+        return propose_ngram(buf[: len(tokens)], k, self.min_n, self.max_n)
 
     def drop(self, request_id: str) -> None:
         self._buffers.pop(request_id, None)

@@ -146,9 +146,7 @@ class Scheduler:
         self.step_count = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts checked, and output
         self.num_accepted_tokens = 0
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -302,9 +300,11 @@ class Scheduler:
                 budget -= len(drafts)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
-        """Draft tokens for a decode of ``req``: at most ``room``, never more than the
-        request and its context have room for (none while prompt logprobs are owed)."""
+        """Draft tokens for a decode of ``req``: at most num_speculative_tokens and ``room``,
+        never more than the request and its context have room for (none while prompt logprobs
+        are owed)."""
         k = min(
+            self.config.num_speculative_tokens,
             room,
             req.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
