@@ -1,8 +1,8 @@
 """shm_engine: a vLLM-style LLM engine for x86 CPUs over shared-memory rings and int8 kernels."""
 
-from shm_engine.sampling_params import SamplingParams
+from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput"]
 
 
 def __getattr__(name: str):

@@ -17,6 +17,53 @@ _GREEDY_EPS = 1e-5
 # OpenAI takes 4 stop strings; these bounds leave room for vLLM-style clients.
 MAX_STOP_STRINGS = 128
 MAX_STOP_TOKEN_IDS = 1024
+# A grammar is compiled in the engine's input thread; the source's size bounds that work.
+MAX_GRAMMAR_CHARS = 1 << 20
+MAX_CHOICES = 4096
+
+
+class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """Constrain the output to a JSON schema, a regex, one of some strings or a grammar (vLLM's
+    ``structured_outputs``). Exactly one of the constraints is given. The engine compiles it
+    (llguidance) and masks every step's logits to the tokens the constraint allows; the request
+    stops once the output is complete (nothing more could follow).
+    """
+
+    json: str | dict | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's syntax) or GBNF (lines of ``a ::= b``)
+    json_object: bool = False  # any JSON object
+    # vLLM's: JSON without whitespace between tokens (small models can loop on newlines)
+    disable_any_whitespace: bool = False
+
+    def validate(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                f"json_object, got {given or 'none'}"
+            )
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"choice takes 1 to {MAX_CHOICES} strings")
+            if any(type(c) is not str or not c for c in self.choice):
+                raise ValueError("choice must be a list of non-empty strings")
+        size = sum(len(c) for c in self.choice or ())
+        for text in (self.regex, self.grammar, self.json if isinstance(self.json, str) else ""):
+            if text is not None and type(text) is not str:
+                raise ValueError("regex, grammar and json must be strings")
+            size += len(text or "")
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(
+                f"a structured output constraint takes at most {MAX_GRAMMAR_CHARS} characters"
+            )
+        if not isinstance(self.json, str | dict | None):
+            raise ValueError("json must be a JSON schema: an object or its text")
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
@@ -41,6 +88,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     # Such a request computes its whole prompt (no prefix-cache hit: a cached position has no
     # logits).
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # What vLLM's SamplingParams accepts and normalises, so configs written for it work.
@@ -120,6 +168,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def check_types(self) -> None:
         """Raise ValueError for a field of the wrong type or beyond int64.
@@ -151,6 +201,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             type(t) is not int or not 0 <= t < _INT_LIMIT for t in ids
         ):
             raise ValueError("stop_token_ids must be a list of token ids")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
 
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")

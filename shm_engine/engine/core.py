@@ -23,6 +23,7 @@ from shm_engine.engine.protocol import (
 )
 from shm_engine.engine.request import Request
 from shm_engine.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from shm_engine.engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class EngineCore:
         self.runner = runner
         self.max_model_len = runner.max_model_len
         self.scheduler = Scheduler(config, runner.num_blocks, runner.max_model_len)
+        self.grammars = GrammarCompiler(
+            getattr(runner, "tokenizer", None), runner.vocab_size, runner.eos_token_ids
+        )
         self._sleeping = False
         self._profiler = None
         self.step_time = 0.0  # seconds in the model, for stats
@@ -54,7 +58,8 @@ class EngineCore:
         """Validate a client request and build the engine's Request; raises ValueError.
 
         Thread-safe (reads only immutable config), so EngineCoreProc runs it on the input thread;
-        the duplicate-id check needs the scheduler's state and happens in add_request.
+        the duplicate-id check needs the scheduler's state and happens in add_request. A
+        structured output constraint is compiled here, off the busy loop.
         """
         rid = msg.request_id
         if not isinstance(rid, str) or not rid:
@@ -73,7 +78,7 @@ class EngineCore:
         self.scheduler.check_fits(len(prompt))
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(
+        req = Request(
             rid,
             prompt,
             params,
@@ -83,6 +88,9 @@ class EngineCore:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
         )
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars.compile(params.structured_outputs)
+        return req
 
     def add_request(self, msg: EngineCoreRequest | Request) -> None:
         req = msg if isinstance(msg, Request) else self.preprocess(msg)

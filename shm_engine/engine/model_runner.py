@@ -17,6 +17,7 @@ import torch
 from shm_engine.engine.config import EngineConfig, check_max_model_len
 from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
+from shm_engine.engine.structured_output import allowed_tokens
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, allocate_kv, kv_bytes_per_block
 from shm_engine.model.loader import LoadedModel, load_model
@@ -102,6 +103,7 @@ class ModelRunner:
         self.model_config = loaded.config
         self.model_name = str(config.model or "SmolLM2-135M-Instruct")
         self.vocab_size = loaded.config.vocab_size
+        self.tokenizer = loaded.tokenizer  # structured outputs build their token trie from it
         self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids if loaded.tokenizer else ())
         self.eos_token_ids = self.eos_token_ids or loaded.config.eos_token_ids
         self.block_size = config.block_size
@@ -218,13 +220,16 @@ class ModelRunner:
                 )
             states.append(state)
         num_rows = sum(rows)
+        masked = [c for c in sampling if c.token_mask is not None]
         # NOTE: every row plain greedy (the common case): the model's native call also takes
         # each row's argmax and the sampler is skipped, no Python between the LM head and the
         # tokens (batch 16: ~0.2 ms a step on the cold caches a step leaves)
         greedy = None
-        if states and all(s.plain_greedy for s in states) and scores is None:
+        if states and all(s.plain_greedy for s in states) and scores is None and not masked:
             greedy = torch.empty(num_rows, dtype=torch.int64)
         logits = self.model.forward(batch, self.kv_caches, greedy)
+        if masked:
+            self._apply_token_masks(sampling, rows, logits)
         prompt_lps = None
         if scores is not None:  # the scoring rows follow the sampling ones
             prompt_lps = _prompt_logprobs(chunks, logits[num_rows:])
@@ -270,6 +275,17 @@ class ModelRunner:
         out = _split_draft_rows(sampling, tokens, logprobs)
         out.prompt_logprobs = prompt_lps
         return out
+
+    @torch.inference_mode()  # the model's logits are an inference tensor
+    def _apply_token_masks(self, sampling: list, rows: list[int], logits: torch.Tensor) -> None:
+        """Structured outputs: the tokens a request's constraint refuses get -inf logits (and
+        so logprobs), as vLLM applies its grammar bitmask before sampling."""
+        row = 0
+        for c, n in zip(sampling, (r for r in rows if r), strict=True):
+            if c.token_mask is not None:
+                allowed = torch.from_numpy(allowed_tokens(c.token_mask, logits.shape[1]))
+                logits[row].masked_fill_(~allowed, float("-inf"))
+            row += n
 
     def execute_dummy(self) -> None:
         """A one-token forward on a scratch one-block cache, so no live or cached KV is touched."""

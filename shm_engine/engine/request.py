@@ -55,6 +55,7 @@ class Request:
         "block_hashes",
         "stop_reason",
         "prompt_logprobs",
+        "matcher",
     )
 
     def __init__(
@@ -86,6 +87,8 @@ class Request:
         # Logprobs of prompt tokens 1, 2, ... as computed so far (when asked for); handed out
         # with the first output token, then None.
         self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else []
+        # structured outputs: an llguidance LLMatcher that has consumed the output so far
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

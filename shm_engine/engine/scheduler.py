@@ -19,6 +19,7 @@ drafts' KV entries are computed in the same forward; the rejected ones are taken
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from shm_engine.engine.kv_cache_manager import KVCacheManager
 from shm_engine.engine.ngram_proposer import NgramProposer
 from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, SchedulerStats
 from shm_engine.engine.request import FINISH_REASON, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -42,6 +45,8 @@ class ScheduledChunk:
     epoch: int = 0  # the request's preemption count when scheduled (stale results are dropped)
     score: tuple[int, int] | None = None  # prompt tokens [j0, j1) whose logprobs it computes
     drafts: list[int] = field(default_factory=list)  # guessed tokens after the last one
+    # structured outputs: the constraint's allowed next tokens (a packed bitmask)
+    token_mask: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -257,6 +262,10 @@ class Scheduler:
             chunk.block_ids = self.kv.block_ids(req)
             req.num_computed_tokens += chunk.num_tokens
             chunk.samples = req.num_computed_tokens - len(chunk.drafts) == req.num_tokens
+            if chunk.samples and req.matcher is not None:
+                # NOTE: the matcher has consumed every output token: a request is not
+                # scheduled to sample again before its last sampled token was applied.
+                chunk.token_mask = req.matcher.compute_bitmask()
             chunk.epoch = req.num_preemptions
             if req.prompt_logprobs is not None:
                 # Position p's logits score prompt token p + 1; those already known are skipped
@@ -302,14 +311,14 @@ class Scheduler:
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens for a decode of ``req``: at most num_speculative_tokens and ``room``,
         never more than the request and its context have room for (none while prompt logprobs
-        are owed)."""
+        are owed, nor under a structured output constraint)."""
         k = min(
             self.config.num_speculative_tokens,
             room,
             req.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
-        if k <= 0 or req.prompt_logprobs is not None:
+        if k <= 0 or req.prompt_logprobs is not None or req.matcher is not None:
             return []
         return self.proposer.propose(req.request_id, req.all_token_ids, k)
 
@@ -388,6 +397,15 @@ class Scheduler:
                 status = self._check_stop(req, token)
                 if status is not None:
                     break
+            if (
+                status == RequestStatus.FINISHED_STOPPED
+                and req.matcher is not None
+                and req.stop_reason is None
+                and token not in req.eos_token_ids
+            ):
+                eos, eos_lps = _end_with_eos(req, lps[0])
+                tokens.append(eos)
+                lps.append(eos_lps)
             counts.append(len(tokens) - before)
             self.num_accepted_tokens += counts[-1] - 1 if chunk.drafts else 0
             if lps[0] is not None:
@@ -408,8 +426,13 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         n_out = req.num_output_tokens
+        if req.matcher is not None and not _consume(req, token):
+            return RequestStatus.FINISHED_ERROR
         if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if req.matcher is not None and req.matcher.is_stopped():
+            # The constraint is complete: only EOS could follow (min_tokens gives way).
+            return RequestStatus.FINISHED_STOPPED
         if n_out < params.min_tokens:
             return None
         if not params.ignore_eos and token in req.eos_token_ids:
@@ -453,6 +476,37 @@ class Scheduler:
         lines += [f"  running: {r!r} blocks={self.kv.block_ids(r)}" for r in self.running]
         lines += [f"  waiting: {r!r}" for r in self.waiting]
         return "\n".join(lines)
+
+
+def _consume(req: Request, token: int) -> bool:
+    """Feed a sampled token to the request's structured output constraint; False (an error)
+    if it was refused: possible only when other masks left the constraint no token (its only
+    ones among stop ids masked during min_tokens)."""
+    if req.matcher.consume_token(token):
+        return True
+    logger.warning(
+        "request %s: token %d breaks its structured output constraint: %s",
+        req.request_id,
+        token,
+        req.matcher.get_error(),
+    )
+    return False
+
+
+def _end_with_eos(req: Request, logprobs: Logprobs | None) -> tuple[int, Logprobs | None]:
+    """The EOS a completed constraint allows as its only next token, and its logprobs.
+
+    NOTE: appended at once rather than sampled in a forward of its own (vLLM's way, one more
+    step): a "stop" finish hides the last token's text, which is the EOS here as for any
+    other stop, and the token ids end with EOS as vLLM's do."""
+    eos = req.eos_token_ids[0]
+    req.all_token_ids.append(eos)
+    if logprobs is None:
+        return eos, None
+    # Under the mask EOS is certain: its logprob is 0, and it heads the top-n (the other
+    # tokens are refused, -inf, and left out).
+    top = 1 if req.sampling_params.logprobs else 0
+    return eos, Logprobs([eos] * (1 + top), [0.0] * (1 + top))
 
 
 def _add_prompt_logprobs(req: Request, j0: int, entries: list[Logprobs]) -> None:
