@@ -38,6 +38,12 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
     disable_any_whitespace: bool = False
 
     def validate(self) -> None:
+        if type(self.json_object) is not bool or type(self.disable_any_whitespace) is not bool:
+            raise ValueError("json_object and disable_any_whitespace must be true or false")
+        if self.choice is not None and not isinstance(self.choice, list):
+            raise ValueError("choice must be a list of strings")
+        if not isinstance(self.json, str | dict | None):
+            raise ValueError("json must be a JSON schema: an object or its text")
         given = [
             name
             for name in ("json", "regex", "choice", "grammar")
@@ -54,16 +60,14 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
             if any(type(c) is not str or not c for c in self.choice):
                 raise ValueError("choice must be a list of non-empty strings")
         size = sum(len(c) for c in self.choice or ())
-        for text in (self.regex, self.grammar, self.json if isinstance(self.json, str) else ""):
+        for text in (self.regex, self.grammar, self.json if isinstance(self.json, str) else None):
             if text is not None and type(text) is not str:
-                raise ValueError("regex, grammar and json must be strings")
+                raise ValueError("regex and grammar must be strings")
             size += len(text or "")
         if size > MAX_GRAMMAR_CHARS:
             raise ValueError(
                 f"a structured output constraint takes at most {MAX_GRAMMAR_CHARS} characters"
             )
-        if not isinstance(self.json, str | dict | None):
-            raise ValueError("json must be a JSON schema: an object or its text")
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

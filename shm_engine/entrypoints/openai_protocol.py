@@ -1,8 +1,8 @@
 """Request models of the OpenAI-compatible API (pydantic, validated by FastAPI).
 
 Only what changes generation is modelled; unknown fields are ignored, as the OpenAI API tolerates
-new client fields, except vLLM's that this server does not implement (guided decoding, beam search,
-allowed_token_ids, ...): those are refused unless at their defaults. vLLM's extra sampling fields
+new client fields, except vLLM's that this server does not implement (beam search, structural
+tags, allowed_token_ids, ...): those are refused unless at their defaults. vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, priority, cache_salt, ...) are accepted too, so
 clients written for vLLM work unchanged. Range checks live in SamplingParams
 (one place); its ValueError becomes an HTTP 400.
@@ -18,7 +18,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shm_engine.model.tokenizer import template_kwargs, text_parts
-from shm_engine.sampling_params import SamplingParams
+from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -35,12 +35,7 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "truncate_prompt_tokens": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "structural_tag": (),
-    "structured_outputs": (),
     "logits_processors": ([],),
     "prompt_embeds": (),
     "return_tokens_as_token_ids": (False,),
@@ -85,9 +80,16 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
-    # Accepted only to be refused: ignoring them would change what the caller gets silently.
+    # Accepted only to be refused: ignoring it would change what the caller gets silently.
     logit_bias: dict[str, float] | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (and its older
+    # guided_* fields); one of them per request.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -126,8 +128,6 @@ class _SamplingFields(BaseModel):
 
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
             n=self.n,
@@ -148,12 +148,57 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self._structured_outputs(),
         )
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
         if self.n > 128:
             raise ValueError(f"n must be at most 128, got {self.n}")
         return SamplingParams(**kw)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint the request gives, in whichever spelling; ValueError (-> 400)
+        for two, or a malformed one."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format json_schema needs json_schema.schema")
+                found.append(("response_format", {"json": schema}))
+            elif kind != "text":
+                raise ValueError(
+                    f"response_format type must be text, json_object or json_schema, got {kind!r}"
+                )
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, field in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {field: value}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(
+                "give one structured output constraint, got " + ", ".join(n for n, _ in found)
+            )
+        name, fields = found[0]
+        unknown = set(fields) - set(StructuredOutputsParams.__struct_fields__)
+        if unknown:
+            raise ValueError(f"{name}: unsupported field(s) {', '.join(sorted(unknown))}")
+        params = StructuredOutputsParams(**fields)
+        params.validate()
+        return params
 
     @property
     def include_usage(self) -> bool:

@@ -958,3 +958,52 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
     assert outs[4, 1] == outs[0, 1]
     assert outs[4, 2] == outs[0, 1]
     assert logprobs[4, 1] == logprobs[0, 1] and len(logprobs[0, 1]) == len(outs[0, 1][-1])
+
+
+def test_structured_outputs_in_a_mixed_batch():
+    """Constrained and plain requests share steps: each constrained output parses, n=2 seeded
+    children each follow the constraint, and a plain request's tokens are those it gets alone
+    (the masks are per row)."""
+    import json
+
+    from shm_engine import LLM, StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    plain = SamplingParams(temperature=0.0, max_tokens=24)
+    with LLM(dtype=DTYPE, num_kv_blocks=256, batch_queue_size=2) as llm:
+        alone = llm.generate(["The capital of France is"], plain, use_tqdm=False)[0]
+        outs = llm.generate(
+            ["The capital of France is", "A person as JSON:", "Pick a colour:"],
+            [
+                plain,
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=60,
+                    structured_outputs=StructuredOutputsParams(
+                        json=schema, disable_any_whitespace=True
+                    ),
+                ),
+                SamplingParams(
+                    n=2,
+                    temperature=1.0,
+                    seed=11,
+                    max_tokens=8,
+                    structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]),
+                ),
+            ],
+            use_tqdm=False,
+        )
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    person = json.loads(outs[1].outputs[0].text)
+    assert set(person) == {"name", "age"} and 0 <= person["age"] <= 120
+    assert outs[1].outputs[0].finish_reason == "stop"
+    assert len(outs[2].outputs) == 2
+    assert all(c.text in ("red", "green", "blue") for c in outs[2].outputs)

@@ -26,7 +26,7 @@ from shm_engine.entrypoints import api_server, openai_errors, openai_logprobs, o
 from shm_engine.entrypoints.async_engine import PromptTooLongError
 from shm_engine.entrypoints.metrics import ServerMetrics
 from shm_engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from shm_engine.sampling_params import SamplingParams
+from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 EMOJI = "\U0001f600"  # F0 9F 98 80: two tokens of two bytes in the tiny vocabulary
 TEMPLATE = (
@@ -279,7 +279,7 @@ def test_one_request_may_ask_for_at_most_1024_sequences(fake):
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
         ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
-        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/chat/completions", {"structural_tag": "{}"}, "structural_tag"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "may not set"),
         ("/v1/chat/completions", {"bad_words": ["no"]}, "bad_words"),
         ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
@@ -658,3 +658,81 @@ def test_serving_lifespan_freezes_the_startup_heap(monkeypatch) -> None:
             assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "expected"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            {"json": SCHEMA},
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}},
+            {"json_object": True},
+        ),
+        ("/v1/completions", {"response_format": {"type": "text"}}, None),
+        (
+            "/v1/completions",
+            {"guided_json": '{"type": "integer"}'},
+            {"json": '{"type": "integer"}'},
+        ),
+        ("/v1/completions", {"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ("/v1/completions", {"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ("/v1/completions", {"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+        (
+            "/v1/chat/completions",
+            {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+            {"regex": "a+", "disable_any_whitespace": True},
+        ),
+    ],
+)
+def test_every_spelling_of_a_constraint_reaches_the_engine(fake, path, extra, expected) -> None:
+    client, engine = fake
+    seen = []
+
+    def script(ids, params):
+        seen.append(params.structured_outputs)
+        return replay(engine.tokenizer, "ab", None, lp=False)
+
+    engine.script = script
+    body = (
+        {"prompt": "hi"}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    r = client.post(path, json={**body, **extra})
+    assert r.status_code == 200, r.text
+    want = None if expected is None else StructuredOutputsParams(**expected)
+    assert seen == [want]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "json_schema.schema",
+        ),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex, guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+        ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "whitespace_pattern"),
+        ({"guided_choice": []}, "1 to"),
+    ],
+)
+def test_a_malformed_constraint_is_a_400(fake, extra, needle) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    r = client.post("/v1/completions", json={"prompt": "hi", **extra})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

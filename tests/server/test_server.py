@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -88,6 +89,51 @@ def test_chat(client: openai.OpenAI, model: str) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == r.choices[0].message.content
+
+
+def test_structured_outputs(client: openai.OpenAI, model: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    ask = [{"role": "user", "content": "The capital of France and its population, as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    r = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=80, temperature=0, response_format=fmt
+    )
+    assert r.choices[0].finish_reason == "stop"
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"city", "population"} and "Paris" in obj["city"]
+    assert 0 <= obj["population"] <= 99_999_999
+    # streamed, vLLM's guided_choice
+    q = [{"role": "user", "content": "Which city is the capital of France?"}]
+    stream = client.chat.completions.create(
+        model=model,
+        messages=q,
+        max_tokens=10,
+        temperature=0.7,
+        seed=3,
+        stream=True,
+        extra_body={"guided_choice": ["Paris", "London", "Rome"]},
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) in ("Paris", "London", "Rome")
+    assert chunks[-1].finish_reason == "stop"
+    # completions, vLLM's structured_outputs
+    c = client.completions.create(
+        model=model,
+        prompt="My phone number is",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": r" [0-9]{3}-[0-9]{4}"}},
+    )
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", c.choices[0].text)
+    assert c.usage.completion_tokens >= 3  # the digits' tokens and the EOS
 
 
 def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
@@ -274,9 +320,15 @@ def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
             "/v1/chat/completions",
             {
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}},
             },
-            "response_format",
+            "invalid structured output",
+        ),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "[0-9"}, "unclosed"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "guided_choice": ["a"], "response_format": {"type": "json_object"}},
+            "one structured output constraint",
         ),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/completions", {"prompt": "hi " * 600}, "context length"),

@@ -1,0 +1,244 @@
+"""Structured outputs: constraint parameters, grammar compilation, and EngineCore runs on a tiny
+random-weight model with a byte-level tokenizer, where only the mask keeps the output in shape."""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from model.conftest import tiny_config, tiny_weights
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from shm_engine.engine.config import EngineConfig
+from shm_engine.engine.core import EngineCore
+from shm_engine.engine.model_runner import ModelRunner
+from shm_engine.engine.protocol import EngineCoreRequest
+from shm_engine.engine.structured_output import GrammarCompiler, allowed_tokens, grammar_source
+from shm_engine.model.tokenizer import Tokenizer
+from shm_engine.model.torch_model import TorchLlama
+from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+VOCAB = 320
+EOS = 257
+CONFIG = tiny_config(vocab_size=VOCAB, max_position_embeddings=512)
+WEIGHTS = tiny_weights(CONFIG, seed=3)
+
+
+def _byte_level_tokenizer() -> Tokenizer:
+    """256 byte tokens, one merge ('":' -> 256) and an EOS (257): any text encodes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
+    vocab = {chars[b]: b for b in range(256)}
+    vocab[chars[ord('"')] + chars[ord(":")]] = 256
+    backend = HFTokenizer(models.BPE(vocab, [(chars[ord('"')], chars[ord(":")])]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    return Tokenizer(backend, eos_token_ids=[EOS])
+
+
+TOKENIZER = _byte_level_tokenizer()
+
+
+def make_core(**overrides: Any) -> EngineCore:
+    args = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, num_threads=1)
+    cfg = EngineConfig(**{**args, **overrides}, dtype="float32")
+    loaded = types.SimpleNamespace(config=CONFIG, tokenizer=TOKENIZER)
+    return EngineCore(cfg, ModelRunner(cfg, loaded, TorchLlama(CONFIG, WEIGHTS)))
+
+
+def submit(core: EngineCore, rid: str, so: StructuredOutputsParams | None, **sp: Any) -> None:
+    params = SamplingParams(**{"max_tokens": 60, **sp}, structured_outputs=so)
+    prompt = np.array(TOKENIZER.encode("Answer: "), dtype=np.int32)
+    core.add_request(
+        EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params)
+    )
+
+
+def run(core: EngineCore) -> dict[str, dict[str, Any]]:
+    got: dict[str, dict[str, Any]] = {}
+    step = core.step if core.batch_queue_size == 1 else core.step_with_batch_queue
+    while core.has_work():
+        out = step()
+        if out is None:
+            continue
+        k = 0
+        for row, (rid, n) in enumerate(zip(out.request_ids, out.num_new_tokens, strict=True)):
+            r = got.setdefault(rid, {"ids": [], "logprobs": [], "finish": None})
+            r["ids"] += out.new_token_ids[k : k + n]
+            k += n
+            r["logprobs"] += out.logprobs.get(row, [])
+            r["finish"] = out.finished.get(row, r["finish"])
+    return got
+
+
+def text(ids: list[int]) -> str:
+    return TOKENIZER.decode([t for t in ids if t != EOS])
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one"),
+        ({"choice": []}, "1 to"),
+        ({"choice": "yes"}, "list of strings"),
+        ({"choice": ["a", ""]}, "non-empty"),
+        ({"json": 3}, "JSON schema"),
+        ({"json_object": "yes"}, "true or false"),
+        ({"regex": "a" * (1 << 20 + 1)}, "at most"),
+    ],
+)
+def test_a_malformed_constraint_is_refused_with_its_reason(fields, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(structured_outputs=StructuredOutputsParams(**fields))
+
+
+def test_grammar_sources_for_every_kind() -> None:
+    assert "json_schema" in grammar_source(StructuredOutputsParams(json='{"type": "integer"}'))
+    assert "json_schema" in grammar_source(StructuredOutputsParams(json_object=True))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        grammar_source(StructuredOutputsParams(json="{type: integer}"))
+    with pytest.raises(ValueError, match="must be an object"):
+        grammar_source(StructuredOutputsParams(json="[1]"))
+    lark = grammar_source(StructuredOutputsParams(grammar='root ::= "a" | "b"'))
+    assert "start" in lark  # GBNF became Lark
+
+
+def test_compile_refuses_a_bad_grammar_and_copies_a_cached_one() -> None:
+    compiler = GrammarCompiler(TOKENIZER, VOCAB, [EOS])
+    with pytest.raises(ValueError, match="unclosed group"):
+        compiler.compile(StructuredOutputsParams(regex="(ab"))
+    with pytest.raises(ValueError, match="invalid structured output"):
+        compiler.compile(StructuredOutputsParams(grammar="start: undefined_rule"))
+    a = compiler.compile(StructuredOutputsParams(regex="ab|ac"))
+    b = compiler.compile(StructuredOutputsParams(regex="ab|ac"))  # the cached one, copied
+    assert a.consume_token(ord("a")) and a.consume_token(ord("b")) and a.is_stopped()
+    assert not b.is_stopped()
+    assert b.consume_token(ord("a")) and b.consume_token(ord("c")) and b.is_stopped()
+    no_eos = GrammarCompiler(TOKENIZER, VOCAB, [])
+    with pytest.raises(ValueError, match="EOS"):
+        no_eos.compile(StructuredOutputsParams(regex="a"))
+
+
+def test_the_bitmask_marks_exactly_the_allowed_tokens() -> None:
+    m = GrammarCompiler(TOKENIZER, VOCAB, [EOS]).compile(StructuredOutputsParams(regex="[b-d]x"))
+    allowed = allowed_tokens(m.compute_bitmask(), VOCAB)
+    assert allowed.dtype == np.bool_ and allowed.shape == (VOCAB,)
+    assert np.flatnonzero(allowed).tolist() == [ord("b"), ord("c"), ord("d")]
+
+
+# ---------------------------------------------------------------------------- in the engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["kind", "n", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("batch_queue_size", [1, 2])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}])
+def test_random_weights_follow_every_kind_of_constraint(batch_queue_size, sampling) -> None:
+    core = make_core(batch_queue_size=batch_queue_size)
+    S = StructuredOutputsParams
+    choices = ['say "yes"', "a\\b", "no"]
+    submit(core, "regex", S(regex=r"[0-9]{3}-[a-c]{2,4}x"), **sampling)
+    submit(core, "choice", S(choice=choices), **sampling)
+    submit(core, "json", S(json=SCHEMA, disable_any_whitespace=True), **sampling)
+    submit(core, "lark", S(grammar='start: ("ab" | "cd")+ "."'), max_tokens=200, **sampling)
+    got = run(core)
+    for rid, r in got.items():
+        assert r["finish"] == "stop", rid
+        assert r["ids"][-1] == EOS and EOS not in r["ids"][:-1], rid
+    assert re.fullmatch(r"[0-9]{3}-[a-c]{2,4}x", text(got["regex"]["ids"]))
+    assert text(got["choice"]["ids"]) in choices
+    obj = json.loads(text(got["json"]["ids"]))
+    assert obj["kind"] in ("cat", "dog") and 0 <= obj["n"] <= 9 and isinstance(obj["ok"], bool)
+    assert re.fullmatch(r"(ab|cd)+\.", text(got["lark"]["ids"]))
+    core.shutdown()
+
+
+def test_unconstrained_requests_are_untouched_by_a_constrained_neighbour() -> None:
+    alone = make_core()
+    submit(alone, "plain", None, temperature=0.0, max_tokens=12)
+    expected = run(alone)["plain"]["ids"]
+    alone.shutdown()
+    core = make_core()
+    submit(core, "plain", None, temperature=0.0, max_tokens=12)
+    submit(core, "regex", StructuredOutputsParams(regex="[xyz]{20}"), temperature=0.0)
+    got = run(core)
+    assert got["plain"]["ids"] == expected
+    assert re.fullmatch("[xyz]{20}", text(got["regex"]["ids"]))
+    core.shutdown()
+
+
+def test_length_min_tokens_and_logprobs_under_a_constraint() -> None:
+    core = make_core()
+    S = StructuredOutputsParams
+    submit(core, "short", S(regex="[a-z]{10}"), temperature=0.0, max_tokens=4)
+    # the constraint is complete after 2 tokens: it ends the request, min_tokens gives way
+    submit(core, "min", S(regex="[a-z]{2}"), temperature=0.0, min_tokens=5, max_tokens=8)
+    submit(core, "lp", S(choice=["hello"]), temperature=0.0, logprobs=2)
+    got = run(core)
+    assert got["short"]["finish"] == "length" and len(got["short"]["ids"]) == 4
+    assert EOS not in got["short"]["ids"]
+    assert got["min"]["finish"] == "stop" and got["min"]["ids"][-1] == EOS
+    assert len(got["min"]["ids"]) == 3
+    lps = got["lp"]["logprobs"]
+    assert len(lps) == len(got["lp"]["ids"]) == 6  # h e l l o + EOS
+    # the only allowed token is certain (the masked ones are -inf)
+    assert all(
+        lp.token_ids[0] == t and lp.logprobs[0] == 0.0
+        for lp, t in zip(lps, got["lp"]["ids"], strict=True)
+    )
+    assert all(lp.token_ids[1] == lp.token_ids[0] for lp in lps)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.9}])
+def test_a_constraint_left_no_token_by_min_tokens_ends_in_an_error_alone(sampling) -> None:
+    # The regex allows only digits first, and the digits are stop ids masked during min_tokens:
+    # the row has no token left; that request fails, the engine and its neighbour go on.
+    core = make_core()
+    digits = list(range(ord("0"), ord("9") + 1))
+    S = StructuredOutputsParams
+    submit(core, "bad", S(regex="[0-9]x"), stop_token_ids=digits, min_tokens=3, **sampling)
+    submit(core, "good", S(regex="[0-9]x"), **sampling)
+    got = run(core)
+    assert got["bad"]["finish"] == "error"
+    assert got["good"]["finish"] == "stop" and re.fullmatch("[0-9]x", text(got["good"]["ids"]))
+    core.shutdown()
+
+
+def test_constrained_requests_get_no_drafts_and_keep_their_shape() -> None:
+    core = make_core(num_speculative_tokens=3)
+    submit(core, "plain", None, temperature=0.0, max_tokens=30)
+    submit(core, "regex", StructuredOutputsParams(regex="(ab){12}"), temperature=0.0)
+    got = run(core)
+    assert text(got["regex"]["ids"]) == "ab" * 12
+    assert len(got["plain"]["ids"]) == 30
+    core.shutdown()
+
+
+def test_an_invalid_constraint_is_refused_at_add_and_the_engine_serves_on() -> None:
+    core = make_core()
+    with pytest.raises(ValueError, match="unclosed"):
+        submit(core, "bad", StructuredOutputsParams(regex="[0-9"))
+    submit(core, "ok", StructuredOutputsParams(choice=["fine"]), temperature=0.0)
+    assert text(run(core)["ok"]["ids"]) == "fine"
+    core.shutdown()
