@@ -806,3 +806,25 @@ int shms_sample_rows(const float *logits, int64_t stride, int64_t v, int64_t n,
     }
     return 0;
 }
+
+/* One word a step: a word of all-allowed tokens (most of them, in a typical JSON string mask, or
+ * none, after a completed value) costs a compare; the rest a loop the compiler unrolls. */
+int shms_mask_rows(float *logits, int64_t stride, int64_t v, int64_t n, const int64_t *rows,
+                   const uint32_t *masks, int64_t words) {
+    if (!logits || !rows || !masks || v < 1 || n < 0 || words < (v + 31) / 32 || stride < v)
+        return -1;
+    for (int64_t j = 0; j < n; j++)
+        if (rows[j] < 0) return -1;
+    for (int64_t j = 0; j < n; j++) {
+        float *x = logits + rows[j] * stride;
+        const uint32_t *m = masks + j * words;
+        for (int64_t w = 0; w * 32 < v; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, lim = v - base < 32 ? v - base : 32;
+            for (int64_t b = 0; b < lim; b++)
+                if (!((bits >> b) & 1u)) x[base + b] = -INFINITY;
+        }
+    }
+    return 0;
+}

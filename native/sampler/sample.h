@@ -27,4 +27,10 @@ int shms_sample_rows(const float *logits, int64_t stride, int64_t v, int64_t n,
                      const float *top_p, const float *min_p, const double *u, int64_t *out,
                      float *probs, void *work, int path);
 
+/* Structured outputs: set logits[rows[j] * stride + t] = -inf for each token t < v whose bit is
+ * clear in row j's mask (bit t % 32 of word t / 32 of masks + j * words; words >= ceil(v / 32)).
+ * Returns 0, -1 on invalid arguments (nothing written). */
+int shms_mask_rows(float *logits, int64_t stride, int64_t v, int64_t n, const int64_t *rows,
+                   const uint32_t *masks, int64_t words);
+
 #endif

@@ -37,7 +37,9 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.max_model_len = runner.max_model_len
-        self.scheduler = Scheduler(config, runner.num_blocks, runner.max_model_len)
+        self.scheduler = Scheduler(
+            config, runner.num_blocks, runner.max_model_len, runner.vocab_size
+        )
         self.grammars = GrammarCompiler(
             getattr(runner, "tokenizer", None), runner.vocab_size, runner.eos_token_ids
         )

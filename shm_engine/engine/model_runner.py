@@ -12,15 +12,16 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from shm_engine.engine.config import EngineConfig, check_max_model_len
 from shm_engine.engine.protocol import Logprobs
 from shm_engine.engine.scheduler import SampledTokens, SchedulerOutput
-from shm_engine.engine.structured_output import allowed_tokens
 from shm_engine.model.batch import BatchInputs
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, allocate_kv, kv_bytes_per_block
 from shm_engine.model.loader import LoadedModel, load_model
+from shm_engine.model.sample_native import mask_rows
 
 logger = logging.getLogger(__name__)
 
@@ -276,16 +277,14 @@ class ModelRunner:
         out.prompt_logprobs = prompt_lps
         return out
 
-    @torch.inference_mode()  # the model's logits are an inference tensor
-    def _apply_token_masks(self, sampling: list, rows: list[int], logits: torch.Tensor) -> None:
+    @staticmethod
+    def _apply_token_masks(sampling: list, rows: list[int], logits: torch.Tensor) -> None:
         """Structured outputs: the tokens a request's constraint refuses get -inf logits (and
         so logprobs), as vLLM applies its grammar bitmask before sampling."""
-        row = 0
-        for c, n in zip(sampling, (r for r in rows if r), strict=True):
-            if c.token_mask is not None:
-                allowed = torch.from_numpy(allowed_tokens(c.token_mask, logits.shape[1]))
-                logits[row].masked_fill_(~allowed, float("-inf"))
-            row += n
+        starts = np.cumsum([0] + [r for r in rows if r])
+        masked = [(int(row), c.token_mask) for c, row in zip(sampling, starts, strict=False)]
+        masked = [(row, mask) for row, mask in masked if mask is not None]
+        mask_rows(logits, [row for row, _ in masked], np.stack([mask for _, mask in masked]))
 
     def execute_dummy(self) -> None:
         """A one-token forward on a scratch one-block cache, so no live or cached KV is touched."""

@@ -24,11 +24,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.kv_cache_manager import KVCacheManager
 from shm_engine.engine.ngram_proposer import NgramProposer
 from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, SchedulerStats
 from shm_engine.engine.request import FINISH_REASON, Request, RequestStatus
+from shm_engine.engine.structured_output import MaskFiller
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +48,8 @@ class ScheduledChunk:
     epoch: int = 0  # the request's preemption count when scheduled (stale results are dropped)
     score: tuple[int, int] | None = None  # prompt tokens [j0, j1) whose logprobs it computes
     drafts: list[int] = field(default_factory=list)  # guessed tokens after the last one
-    # structured outputs: the constraint's allowed next tokens (a packed bitmask)
-    token_mask: bytes | None = None
+    # structured outputs: the constraint's allowed next tokens (MaskFiller's int32 words)
+    token_mask: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -128,7 +131,9 @@ class _WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, max_model_len: int, vocab_size: int = 0
+    ) -> None:
         self.context_len = max_model_len  # the model's (or the configured) limit
         # NOTE: no sequence may outgrow the cache: one that did would preempt itself and never
         # fit again (a request that neither runs nor ends).
@@ -152,6 +157,8 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculative decoding: drafts checked, and output
         self.num_accepted_tokens = 0
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.vocab_size = vocab_size  # the width of structured outputs' token masks
+        self.masks: MaskFiller | None = None  # made by the first constrained request
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -262,10 +269,6 @@ class Scheduler:
             chunk.block_ids = self.kv.block_ids(req)
             req.num_computed_tokens += chunk.num_tokens
             chunk.samples = req.num_computed_tokens - len(chunk.drafts) == req.num_tokens
-            if chunk.samples and req.matcher is not None:
-                # NOTE: the matcher has consumed every output token: a request is not
-                # scheduled to sample again before its last sampled token was applied.
-                chunk.token_mask = req.matcher.compute_bitmask()
             chunk.epoch = req.num_preemptions
             if req.prompt_logprobs is not None:
                 # Position p's logits score prompt token p + 1; those already known are skipped
@@ -275,9 +278,24 @@ class Scheduler:
                 if j1 > j0:
                     chunk.score = (j0, j1)
             out.chunks.append(chunk)
+        self._fill_token_masks(out.chunks)
         if out.chunks:  # a model step; with a batch queue, schedule() also runs with none to add
             self.step_count += 1
         return out
+
+    def _fill_token_masks(self, chunks: list[ScheduledChunk]) -> None:
+        """Structured outputs: the allowed next tokens of each constrained request that samples.
+
+        NOTE: its matcher has consumed every output token: a request is not scheduled to sample
+        again before its last sampled token was applied (update_from_output)."""
+        constrained = [c for c in chunks if c.samples and c.request.matcher is not None]
+        if not constrained:
+            return
+        if self.masks is None:
+            self.masks = MaskFiller(self.vocab_size, self.config.resolved_threads())
+        rows = self.masks.fill([c.request.matcher for c in constrained])
+        for chunk, row in zip(constrained, rows, strict=True):
+            chunk.token_mask = row
 
     def _add_drafts(self, chunks, budget: int) -> None:
         """Give the step's decodes drafts from what is left of its budget and free blocks.

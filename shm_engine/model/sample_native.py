@@ -27,7 +27,7 @@ import torch
 
 from shm_engine._sampler_cffi import ffi, lib
 
-__all__ = ["PATHS", "best_path", "sample_rows"]
+__all__ = ["PATHS", "best_path", "mask_rows", "sample_rows"]
 
 PATHS = {"portable": 0, "avx2": 1}
 _PATH_NAMES = {v: k for k, v in PATHS.items()}
@@ -175,3 +175,26 @@ def sample_rows(
         if rc != 0:
             raise ValueError(_explain(temp, k, tp, mp, uu))
     return (out, probs) if probs is not None else out
+
+
+def mask_rows(logits: torch.Tensor | np.ndarray, rows: Sequence[int], masks: np.ndarray) -> None:
+    """Structured outputs: logits[rows[j], t] = -inf (in place) for every token t whose bit is
+    clear in masks[j] (int32 words, bit t % 32 of word t // 32, as llguidance writes them)."""
+    addr, b, v, stride = _logits_view(logits)
+    masks = np.ascontiguousarray(masks, dtype=np.int32)
+    rows_arr = np.ascontiguousarray(rows, dtype=np.int64)
+    if masks.ndim != 2 or masks.shape[0] != rows_arr.shape[0] or masks.shape[1] * 32 < v:
+        raise ValueError(f"masks must be [{len(rows_arr)}, >= {(v + 31) // 32}], got {masks.shape}")
+    if rows_arr.size and (rows_arr.min() < 0 or rows_arr.max() >= b):
+        raise ValueError(f"rows must be in [0, {b})")
+    rc = lib.shms_mask_rows(
+        ffi.cast("float *", addr),
+        max(stride, v),
+        v,
+        len(rows_arr),
+        ffi.from_buffer("int64_t[]", rows_arr),
+        ffi.from_buffer("uint32_t[]", masks),
+        masks.shape[1],
+    )
+    if rc != 0:
+        raise ValueError("invalid arguments to shms_mask_rows")

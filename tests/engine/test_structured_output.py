@@ -18,7 +18,12 @@ from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.core import EngineCore
 from shm_engine.engine.model_runner import ModelRunner
 from shm_engine.engine.protocol import EngineCoreRequest
-from shm_engine.engine.structured_output import GrammarCompiler, allowed_tokens, grammar_source
+from shm_engine.engine.structured_output import (
+    GrammarCompiler,
+    MaskFiller,
+    allowed_tokens,
+    grammar_source,
+)
 from shm_engine.model.tokenizer import Tokenizer
 from shm_engine.model.torch_model import TorchLlama
 from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -130,11 +135,19 @@ def test_compile_refuses_a_bad_grammar_and_copies_a_cached_one() -> None:
         no_eos.compile(StructuredOutputsParams(regex="a"))
 
 
-def test_the_bitmask_marks_exactly_the_allowed_tokens() -> None:
-    m = GrammarCompiler(TOKENIZER, VOCAB, [EOS]).compile(StructuredOutputsParams(regex="[b-d]x"))
-    allowed = allowed_tokens(m.compute_bitmask(), VOCAB)
-    assert allowed.dtype == np.bool_ and allowed.shape == (VOCAB,)
-    assert np.flatnonzero(allowed).tolist() == [ord("b"), ord("c"), ord("d")]
+def test_masks_mark_exactly_the_allowed_tokens_one_or_many_at_once() -> None:
+    compiler = GrammarCompiler(TOKENIZER, VOCAB, [EOS])
+    S = StructuredOutputsParams
+    matchers = [compiler.compile(S(regex="[b-d]x")), compiler.compile(S(choice=["q", "zz"]))]
+    filler = MaskFiller(VOCAB, num_threads=2)
+    one = filler.fill(matchers[:1])
+    both = filler.fill(matchers)  # on llguidance's threads
+    assert one.shape == (1, 10) and both.shape == (2, 10) and both.dtype == np.int32
+    assert np.array_equal(one[0], both[0])
+    assert np.flatnonzero(allowed_tokens(both[0], VOCAB)).tolist() == [ord(c) for c in "bcd"]
+    assert np.flatnonzero(allowed_tokens(both[1], VOCAB)).tolist() == [ord("q"), ord("z")]
+    assert matchers[0].consume_token(ord("c")) and matchers[0].consume_token(ord("x"))
+    assert np.flatnonzero(allowed_tokens(filler.fill(matchers[:1])[0], VOCAB)).tolist() == [EOS]
 
 
 # ---------------------------------------------------------------------------- in the engine

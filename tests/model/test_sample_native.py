@@ -578,3 +578,32 @@ def test_scratch_is_per_thread_and_grows() -> None:
     big = sample_native._work(100_000)
     assert big.nbytes >= sample_native.lib.shms_work_bytes(100_000) > small.nbytes
     assert sample_native._work(10) is big  # reused, never shrunk
+
+
+@pytest.mark.parametrize("v", [1, 31, 32, 33, 320, 49152])
+def test_mask_rows_sets_exactly_the_refused_tokens_to_minus_inf(v: int) -> None:
+    rng = np.random.default_rng(v)
+    words = (v + 31) // 32 + 1  # llguidance's rows may be wider than the vocabulary needs
+    masks = rng.integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    masks[1, :] = -1  # all allowed
+    masks[2, : max(1, words // 2)] = 0  # a run refused
+    logits = torch.randn(5, v + 7)[:, :v]  # a row stride wider than v
+    before = logits.clone()
+    rows = [4, 0, 2]
+    sample_native.mask_rows(logits, rows, masks)
+    bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :v].astype(bool)
+    for j, r in enumerate(rows):
+        want = torch.where(torch.from_numpy(bits[j]), before[r], torch.tensor(float("-inf")))
+        assert torch.equal(logits[r], want)
+    for r in (1, 3):
+        assert torch.equal(logits[r], before[r])
+
+
+def test_mask_rows_refuses_bad_shapes() -> None:
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="masks must be"):
+        sample_native.mask_rows(logits, [0], np.zeros((1, 1), dtype=np.int32))
+    with pytest.raises(ValueError, match="rows must be"):
+        sample_native.mask_rows(logits, [2], np.zeros((1, 2), dtype=np.int32))
+    with pytest.raises(ValueError, match="masks must be"):
+        sample_native.mask_rows(logits, [0, 1], np.zeros((1, 2), dtype=np.int32))
