@@ -807,24 +807,57 @@ int shms_sample_rows(const float *logits, int64_t stride, int64_t v, int64_t n,
     return 0;
 }
 
-/* One word a step: a word of all-allowed tokens (most of them, in a typical JSON string mask, or
- * none, after a completed value) costs a compare; the rest a loop the compiler unrolls. */
+/* One word (32 tokens) a step: a word of all-allowed tokens (most of them inside a JSON string)
+ * costs a compare; otherwise each token's logit is kept or replaced without a branch (a mask
+ * from a tokenizer's trie mixes allowed and refused tokens unpredictably), 8 at a time on AVX2. */
+static void mask_row_portable(float *x, const uint32_t *m, int64_t v) {
+    const uint32_t neg_inf = 0xFF800000u; /* -inf's bits */
+    for (int64_t w = 0; w * 32 < v; w++) {
+        uint32_t bits = m[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        int64_t base = w * 32, lim = v - base < 32 ? v - base : 32;
+        for (int64_t b = 0; b < lim; b++) {
+            /* select on the float's bits with an all-ones / all-zeros word: no branch */
+            uint32_t keep = 0u - ((bits >> b) & 1u), xb;
+            memcpy(&xb, x + base + b, 4);
+            xb = (xb & keep) | (neg_inf & ~keep);
+            memcpy(x + base + b, &xb, 4);
+        }
+    }
+}
+
+TARGET static void mask_row_avx2(float *x, const uint32_t *m, int64_t v) {
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    int64_t full = v / 32;
+    for (int64_t w = 0; w < full; w++) {
+        uint32_t bits = m[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        for (int q = 0; q < 4; q++) {
+            /* lane i of the byte's 8 tokens: allowed iff its bit is set */
+            __m256i byte = _mm256_set1_epi32((int)((bits >> (8 * q)) & 0xFFu));
+            __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+            float *p = x + w * 32 + 8 * q;
+            _mm256_storeu_ps(p, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(p), _mm256_castsi256_ps(on)));
+        }
+    }
+    if (full * 32 < v) mask_row_portable(x + full * 32, m + full, v - full * 32);
+}
+
 int shms_mask_rows(float *logits, int64_t stride, int64_t v, int64_t n, const int64_t *rows,
-                   const uint32_t *masks, int64_t words) {
-    if (!logits || !rows || !masks || v < 1 || n < 0 || words < (v + 31) / 32 || stride < v)
+                   const uint32_t *masks, int64_t words, int path) {
+    if (!logits || !rows || !masks || v < 1 || n < 0 || words < (v + 31) / 32 || stride < v ||
+        path < 0 || path > 1)
         return -1;
+    if (path > shms_best_path()) return -2;
     for (int64_t j = 0; j < n; j++)
         if (rows[j] < 0) return -1;
     for (int64_t j = 0; j < n; j++) {
         float *x = logits + rows[j] * stride;
-        const uint32_t *m = masks + j * words;
-        for (int64_t w = 0; w * 32 < v; w++) {
-            uint32_t bits = m[w];
-            if (bits == 0xFFFFFFFFu) continue;
-            int64_t base = w * 32, lim = v - base < 32 ? v - base : 32;
-            for (int64_t b = 0; b < lim; b++)
-                if (!((bits >> b) & 1u)) x[base + b] = -INFINITY;
-        }
+        if (path == 1)
+            mask_row_avx2(x, masks + j * words, v);
+        else
+            mask_row_portable(x, masks + j * words, v);
     }
     return 0;
 }

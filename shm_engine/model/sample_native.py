@@ -177,7 +177,12 @@ def sample_rows(
     return (out, probs) if probs is not None else out
 
 
-def mask_rows(logits: torch.Tensor | np.ndarray, rows: Sequence[int], masks: np.ndarray) -> None:
+def mask_rows(
+    logits: torch.Tensor | np.ndarray,
+    rows: Sequence[int],
+    masks: np.ndarray,
+    path: str | None = None,
+) -> None:
     """Structured outputs: logits[rows[j], t] = -inf (in place) for every token t whose bit is
     clear in masks[j] (int32 words, bit t % 32 of word t // 32, as llguidance writes them)."""
     addr, b, v, stride = _logits_view(logits)
@@ -195,6 +200,9 @@ def mask_rows(logits: torch.Tensor | np.ndarray, rows: Sequence[int], masks: np.
         ffi.from_buffer("int64_t[]", rows_arr),
         ffi.from_buffer("uint32_t[]", masks),
         masks.shape[1],
+        PATHS[path or best_path()],
     )
+    if rc == -2:
+        raise RuntimeError(f"this CPU cannot run the {path} path")
     if rc != 0:
         raise ValueError("invalid arguments to shms_mask_rows")

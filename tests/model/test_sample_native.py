@@ -580,8 +580,9 @@ def test_scratch_is_per_thread_and_grows() -> None:
     assert sample_native._work(10) is big  # reused, never shrunk
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("v", [1, 31, 32, 33, 320, 49152])
-def test_mask_rows_sets_exactly_the_refused_tokens_to_minus_inf(v: int) -> None:
+def test_mask_rows_sets_exactly_the_refused_tokens_to_minus_inf(v: int, path: str) -> None:
     rng = np.random.default_rng(v)
     words = (v + 31) // 32 + 1  # llguidance's rows may be wider than the vocabulary needs
     masks = rng.integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
@@ -590,7 +591,7 @@ def test_mask_rows_sets_exactly_the_refused_tokens_to_minus_inf(v: int) -> None:
     logits = torch.randn(5, v + 7)[:, :v]  # a row stride wider than v
     before = logits.clone()
     rows = [4, 0, 2]
-    sample_native.mask_rows(logits, rows, masks)
+    sample_native.mask_rows(logits, rows, masks, path)
     bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :v].astype(bool)
     for j, r in enumerate(rows):
         want = torch.where(torch.from_numpy(bits[j]), before[r], torch.tensor(float("-inf")))
