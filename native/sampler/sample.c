@@ -844,8 +844,47 @@ TARGET static void mask_row_avx2(float *x, const uint32_t *m, int64_t v) {
     if (full * 32 < v) mask_row_portable(x + full * 32, m + full, v - full * 32);
 }
 
+/* First index of the row's largest value, NaN as -inf (0 if none is above -inf): what
+ * argmax_rows gives, read while the masked row is still in L1/L2. */
+static int64_t argmax_portable(const float *x, int64_t v) {
+    int64_t best_i = 0;
+    float best = -INFINITY;
+    for (int64_t i = 0; i < v; i++)
+        if (x[i] > best) best = x[i], best_i = i; /* NaN compares false */
+    return best_i;
+}
+
+TARGET static int64_t argmax_avx2(const float *x, int64_t v) {
+    /* per lane: the largest value and the first index holding it; then the lanes' largest,
+     * and the smallest index among the lanes that hold it */
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    __m256i best_i = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    int64_t i = 0;
+    for (; i + 8 <= v; i += 8) {
+        __m256 xv = _mm256_loadu_ps(x + i);
+        __m256 gt = _mm256_cmp_ps(xv, best, _CMP_GT_OQ); /* false for NaN */
+        best = _mm256_blendv_ps(best, xv, gt);
+        best_i = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+        idx = _mm256_add_epi32(idx, step);
+    }
+    float bv[8];
+    int32_t bi[8];
+    _mm256_storeu_ps(bv, best);
+    _mm256_storeu_si256((__m256i *)bi, best_i);
+    float top = -INFINITY;
+    int64_t top_i = 0;
+    for (int l = 0; l < 8; l++)
+        if (bv[l] > top || (bv[l] == top && bv[l] > -INFINITY && bi[l] < top_i))
+            top = bv[l], top_i = bi[l];
+    for (; i < v; i++)
+        if (x[i] > top) top = x[i], top_i = i;
+    return top_i;
+}
+
 int shms_mask_rows(float *logits, int64_t stride, int64_t v, int64_t n, const int64_t *rows,
-                   const uint32_t *masks, int64_t words, int path) {
+                   const uint32_t *masks, int64_t words, int64_t *argmax, int path) {
     if (!logits || !rows || !masks || v < 1 || n < 0 || words < (v + 31) / 32 || stride < v ||
         path < 0 || path > 1)
         return -1;
@@ -858,6 +897,7 @@ int shms_mask_rows(float *logits, int64_t stride, int64_t v, int64_t n, const in
             mask_row_avx2(x, masks + j * words, v);
         else
             mask_row_portable(x, masks + j * words, v);
+        if (argmax) argmax[j] = path == 1 ? argmax_avx2(x, v) : argmax_portable(x, v);
     }
     return 0;
 }

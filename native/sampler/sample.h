@@ -29,8 +29,9 @@ int shms_sample_rows(const float *logits, int64_t stride, int64_t v, int64_t n,
 
 /* Structured outputs: set logits[rows[j] * stride + t] = -inf for each token t < v whose bit is
  * clear in row j's mask (bit t % 32 of word t / 32 of masks + j * words; words >= ceil(v / 32)).
+ * argmax (may be NULL): [n] each masked row's argmax (first index of the largest, NaN as -inf).
  * Returns 0, -1 on invalid arguments (nothing written), -2 if the CPU lacks `path`. */
 int shms_mask_rows(float *logits, int64_t stride, int64_t v, int64_t n, const int64_t *rows,
-                   const uint32_t *masks, int64_t words, int path);
+                   const uint32_t *masks, int64_t words, int64_t *argmax, int path);
 
 #endif

@@ -22,7 +22,6 @@ from shm_engine.model.batch import BatchInputs
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, allocate_kv, kv_bytes_per_block
 from shm_engine.model.loader import LoadedModel, load_model
 from shm_engine.model.sample_native import mask_rows
-from shm_engine.model.sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -231,9 +230,9 @@ class ModelRunner:
             greedy = torch.empty(num_rows, dtype=torch.int64)
         logits = self.model.forward(batch, self.kv_caches, greedy)
         if masked:
-            masked_rows = self._apply_token_masks(sampling, rows, logits)
+            masked_rows, argmax = self._apply_token_masks(sampling, rows, logits)
             if greedy is not None:  # those rows' argmax again, among the allowed tokens
-                greedy[masked_rows] = argmax_rows(logits[masked_rows])
+                greedy[masked_rows] = torch.from_numpy(argmax)
         prompt_lps = None
         if scores is not None:  # the scoring rows follow the sampling ones
             prompt_lps = _prompt_logprobs(chunks, logits[num_rows:])
@@ -281,15 +280,18 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _apply_token_masks(sampling: list, rows: list[int], logits: torch.Tensor) -> list[int]:
+    def _apply_token_masks(
+        sampling: list, rows: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], np.ndarray]:
         """Structured outputs: the tokens a request's constraint refuses get -inf logits (and
-        so logprobs), as vLLM applies its grammar bitmask before sampling; returns the rows."""
+        so logprobs), as vLLM applies its grammar bitmask before sampling; returns the rows
+        and their argmax after masking."""
         starts = np.cumsum([0] + [r for r in rows if r])
         masked = [(int(row), c.token_mask) for c, row in zip(sampling, starts, strict=False)]
         masked = [(row, mask) for row, mask in masked if mask is not None]
         masked_rows = [row for row, _ in masked]
-        mask_rows(logits, masked_rows, np.stack([mask for _, mask in masked]))
-        return masked_rows
+        argmax = mask_rows(logits, masked_rows, np.stack([mask for _, mask in masked]))
+        return masked_rows, argmax
 
     def execute_dummy(self) -> None:
         """A one-token forward on a scratch one-block cache, so no live or cached KV is touched."""

@@ -292,7 +292,7 @@ class Scheduler:
         if not constrained:
             return
         if self.masks is None:
-            self.masks = MaskFiller(self.vocab_size, self.config.resolved_threads())
+            self.masks = MaskFiller(self.vocab_size)
         rows = self.masks.fill([c.request.matcher for c in constrained])
         for chunk, row in zip(constrained, rows, strict=True):
             chunk.token_mask = row

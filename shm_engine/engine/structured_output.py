@@ -107,28 +107,22 @@ class GrammarCompiler:
 
 class MaskFiller:
     """Each step's masks, one int32 row of ``ceil(vocab / 32)`` words a matcher (bit t % 32 of
-    word t // 32: token t allowed), computed on llguidance's thread pool when there are several.
+    word t // 32: token t allowed).
 
-    A mask costs ~10 us in a JSON string without a length bound and ~250 us with one (the
-    tokenizer's precomputed slices no longer apply) on SmolLM2's vocabulary: a batch of such
-    requests is worth the threads, which llguidance runs without the GIL."""
+    A mask costs ~10 us in a JSON string without a length bound and ~150-250 us with one (the
+    tokenizer's precomputed slices no longer apply) on SmolLM2's vocabulary.
+    NOTE: one after the other on the calling thread. llguidance's thread pool (LLExecutor)
+    filled a batch's masks in parallel, but its idle workers spin after the call and take the
+    cores from the model's forward: batch-8 JSON decode steps 17 -> 20 ms on 2 cores, where
+    this loop costs ~0.3 ms (benchmarks/RESULTS.md)."""
 
-    def __init__(self, vocab_size: int, num_threads: int) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.words = (vocab_size + 31) // 32
-        self._num_threads = num_threads
-        self._executor = None
 
     def fill(self, matchers: list) -> np.ndarray:
         out = np.empty((len(matchers), self.words), dtype=np.int32)
-        if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-            return out
-        if self._executor is None:
-            import llguidance
-
-            self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
-        jobs = [(m, i) for i, m in enumerate(matchers)]
-        self._executor.unsafe_compute_mask_ptr(jobs, out.ctypes.data, self.words * 4, len(out))
+        for row, matcher in zip(out, matchers, strict=True):
+            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         return out
 
 

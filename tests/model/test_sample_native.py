@@ -20,7 +20,13 @@ import torch
 
 from shm_engine.model import sample_native
 from shm_engine.model.sample_native import best_path, sample_rows
-from shm_engine.model.sampler import Sampler, filtered_probs, sample_inverse_cdf, seeded_uniform
+from shm_engine.model.sampler import (
+    Sampler,
+    argmax_rows,
+    filtered_probs,
+    sample_inverse_cdf,
+    seeded_uniform,
+)
 from shm_engine.sampling_params import SamplingParams as SP
 
 PATHS = ["portable"] + (["avx2"] if best_path() == "avx2" else [])
@@ -591,13 +597,32 @@ def test_mask_rows_sets_exactly_the_refused_tokens_to_minus_inf(v: int, path: st
     logits = torch.randn(5, v + 7)[:, :v]  # a row stride wider than v
     before = logits.clone()
     rows = [4, 0, 2]
-    sample_native.mask_rows(logits, rows, masks, path)
+    argmax = sample_native.mask_rows(logits, rows, masks, path)
     bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :v].astype(bool)
     for j, r in enumerate(rows):
         want = torch.where(torch.from_numpy(bits[j]), before[r], torch.tensor(float("-inf")))
         assert torch.equal(logits[r], want)
+        assert argmax[j] == int(argmax_rows(logits[r : r + 1].contiguous())[0])
     for r in (1, 3):
         assert torch.equal(logits[r], before[r])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mask_rows_argmax_takes_the_first_largest_and_nan_as_minus_inf(path: str) -> None:
+    inf, nan = float("inf"), float("nan")
+    cases = [
+        ([nan, -inf, -inf], 0),
+        ([-inf] * 20, 0),
+        ([1.0, 3.0, nan, 3.0] * 5, 1),
+        ([0.0] * 17 + [2.0] + [nan] * 3 + [2.0], 17),
+        ([-1.0] * 9 + [inf] + [0.0] * 9 + [inf], 9),
+        ([nan] * 12 + [-5.0], 12),
+    ]
+    for row, want in cases:
+        logits = torch.tensor([row], dtype=torch.float32)
+        ones = np.full((1, (len(row) + 31) // 32), -1, dtype=np.int32)
+        assert sample_native.mask_rows(logits, [0], ones, path)[0] == want, row
+        assert int(argmax_rows(logits)[0]) == want, row
 
 
 def test_mask_rows_refuses_bad_shapes() -> None:
