@@ -36,6 +36,7 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
     "truncate_prompt_tokens": (),
     "structural_tag": (),
+    "guided_whitespace_pattern": (),
     "logits_processors": ([],),
     "prompt_embeds": (),
     "return_tokens_as_token_ids": (False,),
