@@ -86,7 +86,12 @@ class GrammarCompiler:
             import llguidance
         except ImportError:  # pragma: no cover - a dependency; only a broken install lacks it
             raise ValueError("structured outputs need the llguidance package") from None
-        source = grammar_source(params)
+        try:
+            source = grammar_source(params)
+        except ValueError:
+            raise
+        except Exception as e:  # llguidance's converters: whatever a strange input makes them
+            raise ValueError(f"invalid structured output constraint: {e}") from None
         with self._lock:
             template = self._compiled.get(source)
             if template is not None:

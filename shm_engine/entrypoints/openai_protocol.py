@@ -42,6 +42,12 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False,),
     "vllm_xargs": ({},),
 }
+# Fields of vLLM's StructuredOutputsParams that change nothing here (the backend is chosen by the
+# server), and flags accepted only when false.
+_IGNORED_CONSTRAINT_FIELDS = frozenset(
+    {"backend", "_backend", "_backend_was_auto", "disable_fallback"}
+)
+_CONSTRAINT_FLAGS_OFF = frozenset({"disable_additional_properties"})
 _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (),
     "continue_final_message": (False,),
@@ -194,6 +200,15 @@ class _SamplingFields(BaseModel):
                 "give one structured output constraint, got " + ", ".join(n for n, _ in found)
             )
         name, fields = found[0]
+        # vLLM's client sends every field of its StructuredOutputsParams: null ones, the backend
+        # (any value: this server has one), and flags at their defaults change nothing.
+        fields = {
+            k: v
+            for k, v in fields.items()
+            if v is not None
+            and k not in _IGNORED_CONSTRAINT_FIELDS
+            and not (k in _CONSTRAINT_FLAGS_OFF and v is False)
+        }
         unknown = set(fields) - set(StructuredOutputsParams.__struct_fields__)
         if unknown:
             raise ValueError(f"{name}: unsupported field(s) {', '.join(sorted(unknown))}")

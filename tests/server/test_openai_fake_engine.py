@@ -695,6 +695,25 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
             {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
             {"regex": "a+", "disable_any_whitespace": True},
         ),
+        (  # what vLLM's client sends: every field, most of them null or off
+            "/v1/completions",
+            {
+                "structured_outputs": {
+                    "json": None,
+                    "regex": None,
+                    "choice": ["x", "y"],
+                    "grammar": None,
+                    "json_object": None,
+                    "disable_fallback": False,
+                    "disable_any_whitespace": False,
+                    "disable_additional_properties": False,
+                    "whitespace_pattern": None,
+                    "structural_tag": None,
+                    "backend": "xgrammar",
+                }
+            },
+            {"choice": ["x", "y"]},
+        ),
     ],
 )
 def test_every_spelling_of_a_constraint_reaches_the_engine(fake, path, extra, expected) -> None:
@@ -728,6 +747,10 @@ def test_every_spelling_of_a_constraint_reaches_the_engine(fake, path, extra, ex
         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex, guided_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
         ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "whitespace_pattern"),
+        (
+            {"structured_outputs": {"regex": "a", "disable_additional_properties": True}},
+            "disable_additional_properties",
+        ),
         ({"guided_choice": []}, "1 to"),
     ],
 )
