@@ -290,4 +290,5 @@ class EngineCore:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        self.grammars.shutdown()
         self.runner.shutdown()

@@ -56,6 +56,7 @@ class Request:
         "stop_reason",
         "prompt_logprobs",
         "matcher",
+        "constraint_error",
     )
 
     def __init__(
@@ -89,6 +90,7 @@ class Request:
         self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else []
         # structured outputs: an llguidance LLMatcher that has consumed the output so far
         self.matcher = None
+        self.constraint_error: str | None = None  # why the constraint ends the request
 
     @property
     def num_tokens(self) -> int:

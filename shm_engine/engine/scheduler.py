@@ -31,7 +31,7 @@ from shm_engine.engine.kv_cache_manager import KVCacheManager
 from shm_engine.engine.ngram_proposer import NgramProposer
 from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, SchedulerStats
 from shm_engine.engine.request import FINISH_REASON, Request, RequestStatus
-from shm_engine.engine.structured_output import MaskFiller
+from shm_engine.engine.structured_output import MAX_CALL_SECONDS, MaskFiller, consume, too_slow
 
 logger = logging.getLogger(__name__)
 
@@ -293,9 +293,11 @@ class Scheduler:
             return
         if self.masks is None:
             self.masks = MaskFiller(self.vocab_size)
-        rows = self.masks.fill([c.request.matcher for c in constrained])
-        for chunk, row in zip(constrained, rows, strict=True):
+        rows, seconds = self.masks.fill([c.request.matcher for c in constrained])
+        for chunk, row, dt in zip(constrained, rows, seconds, strict=True):
             chunk.token_mask = row
+            if dt > MAX_CALL_SECONDS:  # this step runs; its token ends the request
+                chunk.request.constraint_error = too_slow(dt)
 
     def _add_drafts(self, chunks, budget: int) -> None:
         """Give the step's decodes drafts from what is left of its budget and free blocks.
@@ -448,15 +450,14 @@ class Scheduler:
             return RequestStatus.FINISHED_ERROR
         if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
         if req.matcher is not None and req.matcher.is_stopped():
             # The constraint is complete: only EOS could follow (min_tokens gives way).
-            return RequestStatus.FINISHED_STOPPED
-        if n_out < params.min_tokens:
-            return None
-        if not params.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         return None
 
@@ -497,17 +498,12 @@ class Scheduler:
 
 
 def _consume(req: Request, token: int) -> bool:
-    """Feed a sampled token to the request's structured output constraint; False (an error)
-    if it was refused: possible only when other masks left the constraint no token (its only
-    ones among stop ids masked during min_tokens)."""
-    if req.matcher.consume_token(token):
+    """Feed a sampled token to the request's structured output constraint; False if the
+    request must end with an error (a refused token, or a constraint too slow to follow)."""
+    error = req.constraint_error or consume(req.matcher, token)
+    if error is None:
         return True
-    logger.warning(
-        "request %s: token %d breaks its structured output constraint: %s",
-        req.request_id,
-        token,
-        req.matcher.get_error(),
-    )
+    logger.warning("request %s ends: %s", req.request_id, error)
     return False
 
 

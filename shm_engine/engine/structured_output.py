@@ -4,15 +4,18 @@ hand the scheduler each step's mask of allowed tokens.
 llguidance walks the tokenizer's vocabulary as a trie against an Earley parser of the grammar, so a
 mask costs tens to hundreds of microseconds, not a pass over 49k token strings in Python.
 The engine owns one ``GrammarCompiler``: the tokenizer's trie is built on the first constrained
-request (~0.4 s for SmolLM2's 49k tokens), and compiled grammars are kept by their source, so a
-schema sent with every request is compiled once and then copied (microseconds).
+request (~0.3 s for SmolLM2's 49k tokens), and compiled grammars are kept by their source, so a
+schema sent with every request is compiled once and then copied (microseconds to ~1 ms).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -56,7 +59,19 @@ def grammar_source(params: StructuredOutputsParams) -> str:
 
 
 class GrammarCompiler:
-    """Builds a matcher per constrained request; thread-safe (the input thread compiles)."""
+    """Builds a matcher per constrained request, on a thread of its own with a large stack.
+
+    NOTE: llguidance recurses natively along chains of grammar rules and JSON-schema ``$ref``s
+    (~20 kB of stack a ``$ref``): on a default 8 MiB thread stack a chain of 1,000 ``$ref``s
+    killed the engine process with SIGSEGV. Its parser guards syntactic nesting (parentheses,
+    inline schemas) itself; the chains are bounded here by the grammar's size (MAX_SOURCE_BYTES)
+    and compiled, and copied, on a thread whose stack holds that (the stack is reserved address
+    space, not memory). Requests are compiled one at a time: a client's next request waits for
+    the one before it, as its input thread does.
+    """
+
+    STACK_BYTES = 256 << 20
+    MAX_SOURCE_BYTES = 256 << 10  # of llguidance's grammar text: ~3,700 chained $refs
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids) -> None:
         """``tokenizer``: the model's (``model.tokenizer.Tokenizer``), or None without one."""
@@ -66,22 +81,20 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
-
-    def _ll_tokenizer(self):
-        import llguidance
-
-        if self._tokenizer is None:
-            if self._source_tokenizer is None or not self._eos:
-                raise ValueError("structured outputs need the model's tokenizer and EOS token")
-            self._tokenizer = llguidance.LLTokenizer(
-                self._source_tokenizer.backend.to_str(),
-                n_vocab=self.vocab_size,
-                eos_token=self._eos or None,
-            )
-        return self._tokenizer
+        self._worker: ThreadPoolExecutor | None = None
 
     def compile(self, params: StructuredOutputsParams):
         """A fresh matcher at the constraint's start; ValueError naming what is wrong."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = _big_stack_executor(self.STACK_BYTES)
+        return self._worker.submit(self._compile, params).result()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _compile(self, params: StructuredOutputsParams):
         try:
             import llguidance
         except ImportError:  # pragma: no cover - a dependency; only a broken install lacks it
@@ -92,27 +105,79 @@ class GrammarCompiler:
             raise
         except Exception as e:  # llguidance's converters: whatever a strange input makes them
             raise ValueError(f"invalid structured output constraint: {e}") from None
-        with self._lock:
-            template = self._compiled.get(source)
-            if template is not None:
-                self._compiled.move_to_end(source)
-                return template.deep_copy()
-            tokenizer = self._ll_tokenizer()
-        # NOTE: outside the lock (and the GIL: llguidance drops it while compiling), so a slow
-        # grammar delays only its own request's thread.
-        template = llguidance.LLMatcher(tokenizer, source, log_level=0)
-        if template.is_error():
-            raise ValueError(f"invalid structured output constraint: {template.get_error()}")
-        with self._lock:
+        if len(source) > self.MAX_SOURCE_BYTES:
+            raise ValueError(
+                f"the structured output constraint is too large: {len(source)} bytes as a "
+                f"grammar, at most {self.MAX_SOURCE_BYTES}"
+            )
+        template = self._compiled.get(source)
+        if template is None:
+            template = llguidance.LLMatcher(
+                self._ll_tokenizer(), source, log_level=0, limits=_limits()
+            )
+            if template.is_error():
+                raise ValueError(f"invalid structured output constraint: {template.get_error()}")
             self._compiled[source] = template
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
+        self._compiled.move_to_end(source)
         return template.deep_copy()
+
+    def _ll_tokenizer(self):
+        import llguidance
+
+        if self._tokenizer is None:
+            if self._source_tokenizer is None or not self._eos:
+                raise ValueError("structured outputs need the model's tokenizer and EOS token")
+            self._tokenizer = llguidance.LLTokenizer(
+                self._source_tokenizer.backend.to_str(),
+                n_vocab=self.vocab_size,
+                eos_token=self._eos,
+            )
+        return self._tokenizer
+
+
+def _limits():
+    """llguidance's limits, but at most 5,000 Earley items a step (default 50,000).
+
+    NOTE: the masks are computed on the engine's busy loop. A 60-character ambiguous grammar
+    (``s: s s | s s s | "a" | ""``) took up to 0.7 s a mask under the defaults, slowing every
+    other request of the engine ~100x; at 5,000 items its worst mask is ~20 ms and it ends
+    with an error after ~30 tokens, while schemas of 300 properties or nested anyOfs stay far
+    below the limit."""
+    import llguidance
+
+    return llguidance.LLParserLimits(step_max_items=5_000)
+
+
+def _block_signals() -> None:
+    """Helper threads leave SIGINT/SIGTERM to the main thread, whose handlers act on them."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _big_stack_executor(stack_bytes: int) -> ThreadPoolExecutor:
+    """A one-thread executor whose thread has ``stack_bytes`` of stack.
+
+    NOTE: threading.stack_size is process-wide and applies when a thread starts; the executor
+    starts its thread on the first submit, made here while the size is set."""
+    executor = ThreadPoolExecutor(1, "grammar", _block_signals)
+    previous = threading.stack_size(stack_bytes)
+    try:
+        executor.submit(lambda: None).result()
+    finally:
+        threading.stack_size(previous)
+    return executor
+
+
+# A mask or token step of a constraint that takes longer ends its request with an error: it runs
+# on the busy loop, where every other request waits for it. Realistic constraints take ~0.01-0.3
+# ms; an ambiguous grammar grows slower with each token (_limits).
+MAX_CALL_SECONDS = 0.05
 
 
 class MaskFiller:
     """Each step's masks, one int32 row of ``ceil(vocab / 32)`` words a matcher (bit t % 32 of
-    word t // 32: token t allowed).
+    word t // 32: token t allowed), and the seconds each took.
 
     A mask costs ~10 us in a JSON string without a length bound and ~150-250 us with one (the
     tokenizer's precomputed slices no longer apply) on SmolLM2's vocabulary.
@@ -124,11 +189,36 @@ class MaskFiller:
     def __init__(self, vocab_size: int) -> None:
         self.words = (vocab_size + 31) // 32
 
-    def fill(self, matchers: list) -> np.ndarray:
+    def fill(self, matchers: list) -> tuple[np.ndarray, list[float]]:
         out = np.empty((len(matchers), self.words), dtype=np.int32)
+        seconds = []
         for row, matcher in zip(out, matchers, strict=True):
+            t0 = time.perf_counter()
             matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        return out
+            seconds.append(time.perf_counter() - t0)
+        return out, seconds
+
+
+def consume(matcher, token: int) -> str | None:
+    """Feed a sampled token to a matcher; why the request must end with an error, or None.
+
+    A refused token is possible only when other masks left the constraint no token (its only
+    ones among stop ids masked during min_tokens) or llguidance hit one of its limits."""
+    t0 = time.perf_counter()
+    ok = matcher.consume_token(token)
+    seconds = time.perf_counter() - t0
+    if not ok:
+        return f"token {token} breaks the constraint: {matcher.get_error()[:500]}"
+    if seconds > MAX_CALL_SECONDS:
+        return too_slow(seconds)
+    return None
+
+
+def too_slow(seconds: float) -> str:
+    return (
+        f"the constraint took {seconds * 1e3:.0f} ms for one token (at most "
+        f"{MAX_CALL_SECONDS * 1e3:.0f} ms): too costly to follow"
+    )
 
 
 def allowed_tokens(mask: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -20,6 +20,15 @@ from shm_engine.model.tokenizer import Tokenizer
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+# JSON has no -inf: vLLM writes a logprob of a token ruled out (by the model, or refused by a
+# structured output constraint) as this.
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
 def _gpt2_byte_decoder() -> dict[str, int]:
     """Byte-level BPE's alphabet, char -> byte (the inverse of GPT-2's ``bytes_to_unicode``)."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -172,7 +181,7 @@ class LogprobFormatter:
         """
         top: dict[str, float] = {}
         for tid, lp in sorted(lps.items(), key=lambda kv: -kv[1].logprob):
-            top.setdefault(self.tokens.string(tid), lp.logprob)
+            top.setdefault(self.tokens.string(tid), _finite(lp.logprob))
         return top
 
     def completion(
@@ -183,7 +192,7 @@ class LogprobFormatter:
         start = cur.tokens
         for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end], strict=False):
             tokens.append(self.tokens.string(tid))
-            token_lps.append(lps[tid].logprob if tid in lps else None)
+            token_lps.append(_finite(lps[tid].logprob) if tid in lps else None)
             tops.append(self._top_dict(lps))
             offsets.append(self.advance(c.text, cur, tid, skip_special))
         return {
@@ -227,6 +236,7 @@ class LogprobFormatter:
 
     def _chat_entry(self, tid: int, lp: float | None) -> dict[str, Any]:
         b = self.tokens.token_bytes(tid)
+        lp = None if lp is None else _finite(lp)
         return {"token": self.tokens.string(tid), "logprob": lp, "bytes": list(b)}
 
     def chat(
@@ -262,10 +272,6 @@ class LogprobFormatter:
         return n
 
 
-# vLLM writes a -inf logprob (a token the model rules out) as this, which JSON can hold.
-_MIN_LOGPROB = -9999.0
-
-
 def vllm_prompt_logprobs(entries: list[PositionLogprobs | None] | None) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` field: per prompt token, None (the first) or
     ``{token id: {"logprob", "rank", "decoded_token"}}``, its own token and the top-n."""
@@ -274,7 +280,7 @@ def vllm_prompt_logprobs(entries: list[PositionLogprobs | None] | None) -> list[
         if e is None
         else {
             str(t): {
-                "logprob": max(lp.logprob, _MIN_LOGPROB),
+                "logprob": _finite(lp.logprob),
                 "rank": lp.rank,
                 "decoded_token": lp.decoded_token,
             }

@@ -195,9 +195,11 @@ def mask_rows(
     if rows_arr.size and (rows_arr.min() < 0 or rows_arr.max() >= b):
         raise ValueError(f"rows must be in [0, {b})")
     argmax = np.empty(len(rows_arr), dtype=np.int64)
+    if b > 1 and stride < v:
+        raise ValueError("logits rows must not overlap (row stride >= V)")
     rc = lib.shms_mask_rows(
         ffi.cast("float *", addr),
-        max(stride, v),
+        stride if b > 1 else v,  # one row: any stride
         v,
         len(rows_arr),
         ffi.from_buffer("int64_t[]", rows_arr),

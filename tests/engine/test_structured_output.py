@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import types
 from typing import Any
 
@@ -75,11 +76,12 @@ def run(core: EngineCore) -> dict[str, dict[str, Any]]:
             continue
         k = 0
         for row, (rid, n) in enumerate(zip(out.request_ids, out.num_new_tokens, strict=True)):
-            r = got.setdefault(rid, {"ids": [], "logprobs": [], "finish": None})
+            r = got.setdefault(rid, {"ids": [], "logprobs": [], "finish": None, "stop": None})
             r["ids"] += out.new_token_ids[k : k + n]
             k += n
             r["logprobs"] += out.logprobs.get(row, [])
             r["finish"] = out.finished.get(row, r["finish"])
+            r["stop"] = out.stop_reasons.get(row, r["stop"])
     return got
 
 
@@ -135,19 +137,57 @@ def test_compile_refuses_a_bad_grammar_and_copies_a_cached_one() -> None:
         no_eos.compile(StructuredOutputsParams(regex="a"))
 
 
+def ref_chain(n: int) -> dict:
+    """A schema of n chained $refs: llguidance recurses ~20 kB of stack a link."""
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(n)
+    }
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def test_deep_chains_compile_on_a_big_stack_and_too_large_ones_are_refused() -> None:
+    # On a default 8 MiB thread stack a chain of 1,000 $refs killed the process (SIGSEGV).
+    compiler = GrammarCompiler(TOKENIZER, VOCAB, [EOS])
+    deep = compiler.compile(StructuredOutputsParams(json=ref_chain(3000)))
+    assert deep.consume_token(ord("{")) and not deep.is_error()
+    lark = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(10_000)) + 'r10000: "b"\n'
+    assert not compiler.compile(StructuredOutputsParams(grammar=lark)).is_error()
+    with pytest.raises(ValueError, match="too large"):
+        compiler.compile(StructuredOutputsParams(json=ref_chain(20_000)))
+    compiler.shutdown()
+
+
+def test_a_constraint_too_slow_to_follow_ends_its_request_alone() -> None:
+    # Each token of this ambiguous grammar costs more than the one before (up to ~0.5 s a mask
+    # here under llguidance's default limits, on the busy loop every request waits for).
+    core = make_core(max_num_batched_tokens=400)
+    grammar = 'start: s\ns: s s | s s s | s s s s | "a" | "b" | "ab" | ""'
+    submit(core, "slow", StructuredOutputsParams(grammar=grammar), temperature=0.0, max_tokens=300)
+    submit(core, "plain", None, temperature=0.0, max_tokens=300, ignore_eos=True)
+    t0 = time.perf_counter()
+    got = run(core)
+    assert got["slow"]["finish"] == "error" and len(got["slow"]["ids"]) < 300
+    assert got["plain"]["finish"] == "length" and len(got["plain"]["ids"]) == 300
+    assert time.perf_counter() - t0 < 30
+    core.shutdown()
+
+
 def test_masks_mark_exactly_the_allowed_tokens() -> None:
     compiler = GrammarCompiler(TOKENIZER, VOCAB, [EOS])
     S = StructuredOutputsParams
     matchers = [compiler.compile(S(regex="[b-d]x")), compiler.compile(S(choice=["q", "zz"]))]
     filler = MaskFiller(VOCAB)
-    one = filler.fill(matchers[:1])
-    both = filler.fill(matchers)
+    one, _ = filler.fill(matchers[:1])
+    both, seconds = filler.fill(matchers)
+    assert len(seconds) == 2 and all(0 <= t < 1 for t in seconds)
     assert one.shape == (1, 10) and both.shape == (2, 10) and both.dtype == np.int32
     assert np.array_equal(one[0], both[0])
     assert np.flatnonzero(allowed_tokens(both[0], VOCAB)).tolist() == [ord(c) for c in "bcd"]
     assert np.flatnonzero(allowed_tokens(both[1], VOCAB)).tolist() == [ord("q"), ord("z")]
     assert matchers[0].consume_token(ord("c")) and matchers[0].consume_token(ord("x"))
-    assert np.flatnonzero(allowed_tokens(filler.fill(matchers[:1])[0], VOCAB)).tolist() == [EOS]
+    assert np.flatnonzero(allowed_tokens(filler.fill(matchers[:1])[0][0], VOCAB)).tolist() == [EOS]
 
 
 # ---------------------------------------------------------------------------- in the engine
@@ -220,6 +260,15 @@ def test_length_min_tokens_and_logprobs_under_a_constraint() -> None:
         for lp, t in zip(lps, got["lp"]["ids"], strict=True)
     )
     assert all(lp.token_ids[1] == lp.token_ids[0] for lp in lps)
+    core.shutdown()
+
+
+def test_a_stop_token_that_completes_the_constraint_is_a_stop_token() -> None:
+    # As without a constraint: the stop id ends the request and says so, no EOS follows.
+    core = make_core()
+    submit(core, "s", StructuredOutputsParams(choice=["ab"]), temperature=0.0, stop_token_ids=[98])
+    got = run(core)["s"]
+    assert got["ids"] == [ord("a"), ord("b")] and got["finish"] == "stop" and got["stop"] == 98
     core.shutdown()
 
 

@@ -633,3 +633,7 @@ def test_mask_rows_refuses_bad_shapes() -> None:
         sample_native.mask_rows(logits, [2], np.zeros((1, 2), dtype=np.int32))
     with pytest.raises(ValueError, match="masks must be"):
         sample_native.mask_rows(logits, [0, 1], np.zeros((1, 2), dtype=np.int32))
+    base = torch.zeros(64)
+    with pytest.raises(ValueError, match="overlap"):  # stride 0: rows share memory
+        sample_native.mask_rows(base[:8].expand(4, -1), [3], np.zeros((1, 1), dtype=np.int32))
+    assert not base.isinf().any()

@@ -134,6 +134,29 @@ def test_structured_outputs(client: openai.OpenAI, model: str) -> None:
     )
     assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", c.choices[0].text)
     assert c.usage.completion_tokens >= 3  # the digits' tokens and the EOS
+    # logprobs: the refused tokens' -inf is written as vLLM's floor (JSON has no -inf)
+    c = client.completions.create(
+        model=model,
+        prompt="Colour:",
+        max_tokens=5,
+        temperature=0,
+        logprobs=5,
+        extra_body={"guided_choice": ["red", "blue"]},
+    )
+    assert c.choices[0].text in ("red", "blue")
+    tops = [v for top in c.choices[0].logprobs.top_logprobs for v in top.values()]
+    assert min(tops) == -9999.0 and all(v <= 0 for v in tops)
+    r = client.chat.completions.create(
+        model=model,
+        messages=q,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"guided_choice": ["Paris", "Rome"]},
+    )
+    assert r.choices[0].message.content in ("Paris", "Rome")
+    assert all(t.logprob >= -9999.0 for e in r.choices[0].logprobs.content for t in e.top_logprobs)
 
 
 def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
