@@ -17,6 +17,7 @@ _GREEDY_EPS = 1e-5
 # OpenAI takes 4 stop strings; these bounds leave room for vLLM-style clients.
 MAX_STOP_STRINGS = 128
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's values are in [-100, 100]
 # A grammar is compiled in the engine's input thread; the source's size bounds that work.
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 4096
@@ -93,6 +94,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     # logits).
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's: added to these tokens' logits before sampling (-100 bans a token, 100 all but
+    # forces it); logprobs stay the model's (vLLM's raw logprobs)
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens can be sampled
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # What vLLM's SamplingParams accepts and normalises, so configs written for it work.
@@ -174,6 +180,18 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             raise ValueError("stop_token_ids must be non-negative")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+            if any(t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be token ids")
+            if not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids")
 
     def check_types(self) -> None:
         """Raise ValueError for a field of the wrong type or beyond int64.
@@ -205,6 +223,21 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             type(t) is not int or not 0 <= t < _INT_LIMIT for t in ids
         ):
             raise ValueError("stop_token_ids must be a list of token ids")
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or any(type(t) is not int or not 0 <= t < _INT_LIMIT for t in bias)
+            or any(type(b) not in (int, float) for b in bias.values())
+        ):
+            raise ValueError("logit_bias must map token ids to numbers")
+        if bias:
+            self.logit_bias = {t: float(b) for t, b in bias.items()}
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list)
+            or any(type(t) is not int or not 0 <= t < _INT_LIMIT for t in allowed)
+        ):
+            raise ValueError("allowed_token_ids must be a list of token ids")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")

@@ -2,7 +2,7 @@
 
 Only what changes generation is modelled; unknown fields are ignored, as the OpenAI API tolerates
 new client fields, except vLLM's that this server does not implement (beam search, structural
-tags, allowed_token_ids, ...): those are refused unless at their defaults. vLLM's extra sampling fields
+tags, bad_words, ...): those are refused unless at their defaults. vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, priority, cache_salt, ...) are accepted too, so
 clients written for vLLM work unchanged. Range checks live in SamplingParams
 (one place); its ValueError becomes an HTTP 400.
@@ -30,7 +30,6 @@ class StreamOptions(BaseModel):
 # ignoring it would change what the caller gets without saying so. Other unknown fields are
 # ignored, as the OpenAI API tolerates new client fields.
 _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "allowed_token_ids": ([],),
     "bad_words": ([],),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
@@ -87,7 +86,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
-    # Accepted only to be refused: ignoring it would change what the caller gets silently.
+    # OpenAI's: {"token id": bias in [-100, 100]}
     logit_bias: dict[str, float] | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (and its older
     # guided_* fields); one of them per request.
@@ -98,6 +97,7 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM extensions
+    allowed_token_ids: list[int] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -133,8 +133,12 @@ class _SamplingFields(BaseModel):
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else defaults.get(name, fallback)
 
+        bias = None
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids") from None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
             n=self.n,
@@ -156,6 +160,8 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs,
             structured_outputs=self._structured_outputs(),
+            logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids or None,  # [] limits nothing
         )
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")

@@ -1,7 +1,9 @@
 """Batched token sampling with per-request parameters (vLLM semantics).
 
 Per row, in this order:
-1. min_tokens: EOS and stop_token_ids are masked while fewer than min_tokens were generated.
+1. min_tokens: EOS and stop_token_ids are masked while fewer than min_tokens were generated;
+   allowed_token_ids masks every other token; logit_bias is added (vLLM's logits processors;
+   these commute).
 2. Penalties on the raw logits: repetition (Hugging Face: over prompt + output, positive logits
    divided by the penalty, negative ones multiplied), then frequency and presence (OpenAI: over the
    output only, `logit -= frequency * count + presence * (count > 0)`).
@@ -76,6 +78,8 @@ class SamplingState:
     counts: torch.Tensor | None = None  # [V] float32 output-token counts (penalties only)
     seen: torch.Tensor | None = None  # [V] bool prompt + output tokens (repetition only)
     n_counted: int = 0
+    allowed: torch.Tensor | None = field(init=False)  # allowed_token_ids, int64
+    bias: tuple[torch.Tensor, torch.Tensor] | None = field(init=False)  # ids, values
     needs_counts: bool = field(init=False)
     needs_seen: bool = field(init=False)
     plain_greedy: bool = field(init=False)  # argmax of the raw logits, whatever the output
@@ -84,12 +88,25 @@ class SamplingState:
         p = self.params
         self.needs_counts = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         self.needs_seen = p.repetition_penalty != 1.0
+        self.allowed = None
+        if p.allowed_token_ids is not None:
+            self.allowed = torch.tensor(sorted(set(p.allowed_token_ids)), dtype=torch.long)
+        self.bias = None
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            self.bias = (ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
         self.plain_greedy = (
             p.greedy
             and not self.has_penalties
+            and not self.edits_logits
             and p.logprobs is None
             and not (self.stop_ids and p.min_tokens > 0)
         )
+
+    @property
+    def edits_logits(self) -> bool:
+        """allowed_token_ids or logit_bias change this request's logits before sampling."""
+        return self.allowed is not None or self.bias is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -187,12 +204,13 @@ class Sampler:
         ]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         penalized = [i for i, s in enumerate(states) if s.has_penalties]
+        edited = [i for i, s in enumerate(states) if s.edits_logits]
         greedy = [p.greedy for p in params]
-        if all(greedy) and not min_tok and not want_lp and not penalized:
+        if all(greedy) and not min_tok and not want_lp and not penalized and not edited:
             ids = argmax_rows(logits)
             return SamplerOutput(ids.numpy().astype(np.int32))
 
-        x = self.process_logits(logits, states, output_token_ids, min_tok, penalized)
+        x = self.process_logits(logits, states, output_token_ids, min_tok, penalized, edited)
         out = torch.empty(b, dtype=torch.long)
         g_rows = [i for i in range(b) if greedy[i]]
         s_rows = [i for i in range(b) if not greedy[i]]
@@ -232,8 +250,10 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         min_tok_rows: Sequence[int] | None = None,
         penalized_rows: Sequence[int] | None = None,
+        edited_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """`logits` with min_tokens masking and penalties applied (a copy if any applies)."""
+        """`logits` with min_tokens masking, allowed_token_ids, logit_bias and penalties
+        applied (a copy if any applies)."""
         v = logits.shape[1]
         if min_tok_rows is None:
             min_tok_rows = [
@@ -243,12 +263,25 @@ class Sampler:
             ]
         if penalized_rows is None:
             penalized_rows = [i for i, s in enumerate(states) if s.has_penalties]
+        if edited_rows is None:
+            edited_rows = [i for i, s in enumerate(states) if s.edits_logits]
         x = logits.to(torch.float32)
-        if min_tok_rows or penalized_rows:
+        if min_tok_rows or penalized_rows or edited_rows:
             x = x.clone()
         for i in min_tok_rows:
             stop = torch.tensor([t for t in states[i].stop_ids if t < v], dtype=torch.long)
             x[i, stop] = float("-inf")
+        for i in edited_rows:
+            s = states[i]
+            if s.allowed is not None:
+                ids = s.allowed[s.allowed < v]
+                kept = x[i, ids]
+                x[i] = float("-inf")
+                x[i, ids] = kept
+            if s.bias is not None:
+                ids, values = s.bias
+                inside = ids < v
+                x[i].index_add_(0, ids[inside], values[inside])
         for i in penalized_rows:
             s = states[i]
             s.update(output_token_ids[i], v)

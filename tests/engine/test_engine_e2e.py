@@ -930,6 +930,10 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
     penalized = SamplingParams(
         temperature=0.0, max_tokens=32, frequency_penalty=0.3, repetition_penalty=1.05
     )
+    # " the" banned and "." favoured at every row, drafts' rows included
+    biased = SamplingParams(
+        temperature=0.7, seed=3, max_tokens=24, logit_bias={260: -100.0, 30: 1.0}
+    )
     outs, logprobs = {}, {}
     for spec, depth in ((0, 1), (4, 1), (4, 2)):
         with LLM(
@@ -948,6 +952,7 @@ def test_speculative_decoding_leaves_every_token_as_it_was():
             got += llm.generate(chats[:2], sampled, use_tqdm=False)
             got += llm.generate(chats[3:], min_tokens, use_tqdm=False)
             got += llm.generate(chats[:2], penalized, use_tqdm=False)
+            got += llm.generate(chats[:1], biased, use_tqdm=False)
             got += llm.generate(chats[:1], with_logprobs, use_tqdm=False)
             outs[spec, depth] = [o.outputs[0].token_ids for o in got]
             logprobs[spec, depth] = got[-1].outputs[0].logprobs

@@ -27,7 +27,11 @@ def test_vllm_spellings_are_normalised() -> None:
      ({"repetition_penalty": float("inf")}, "repetition_penalty"),
      ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
      ({"stop": ["x"] * 129}, "stop"), ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
-     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens")],
+     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+     ({"logit_bias": {1: 100.5}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+     ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "logit_bias"),
+     ({"allowed_token_ids": []}, "allowed_token_ids"),
+     ({"allowed_token_ids": [-2]}, "allowed_token_ids")],
 )  # fmt: skip
 def test_invalid_values_name_their_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -46,3 +50,20 @@ def test_a_field_assigned_the_wrong_type_later_is_caught_before_sending() -> Non
     sp.logprobs = True  # after construction nothing normalises it
     with pytest.raises(ValueError, match="logprobs must be an integer"):
         sp.check_types()
+
+
+def test_logit_bias_and_allowed_token_ids_types_are_checked() -> None:
+    sp = SamplingParams(logit_bias={5: 2}, allowed_token_ids=[1, 2])
+    sp.check_types()
+    assert sp.logit_bias == {5: 2.0} and type(sp.logit_bias[5]) is float
+    for field, value in [
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", [5]),
+        ("logit_bias", {5: "x"}),
+        ("allowed_token_ids", [1.5]),
+        ("allowed_token_ids", 3),
+    ]:
+        bad = SamplingParams()
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=field):
+            bad.check_types()

@@ -234,6 +234,32 @@ def test_penalties_change_greedy_choice() -> None:
     assert out.token_ids.tolist() == [1, 2]
 
 
+def test_logit_bias_and_allowed_token_ids() -> None:
+    s = Sampler(0)
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]])
+    plain = s.new_state(SP(temperature=0.0))
+    ban = s.new_state(SP(temperature=0.0, logit_bias={1: -100.0}))
+    boost = s.new_state(SP(temperature=0.0, logit_bias={4: 5.0, 1: 0.5}))
+    allowed = s.new_state(SP(temperature=0.0, allowed_token_ids=[3, 0]))
+    both = s.new_state(SP(temperature=0.0, allowed_token_ids=[3, 0], logit_bias={0: 1.5}))
+    assert not ban.plain_greedy and not allowed.plain_greedy and plain.plain_greedy
+    states = [plain, ban, boost, allowed, both]
+    out = s.sample(logits.expand(5, -1), states, [[]] * 5)
+    assert out.token_ids.tolist() == [1, 2, 4, 3, 0]
+    # sampled rows draw only allowed tokens, and a bias shifts the odds; logprobs stay the
+    # model's (vLLM's raw logprobs)
+    hot = s.new_state(SP(temperature=1.0, allowed_token_ids=[2, 4], logprobs=0))
+    draws = [s.sample(logits, [hot], [[]]) for _ in range(200)]
+    assert {int(d.token_ids[0]) for d in draws} == {2, 4}
+    lp = draws[0].logprobs[0]
+    raw = torch.log_softmax(logits[0], -1)
+    assert lp.logprobs[0] == pytest.approx(float(raw[lp.token_ids[0]]))
+    wide = torch.zeros(1, 5)
+    tilt = s.new_state(SP(temperature=1.0, logit_bias={3: math.log(9.0)}))  # p(3) = 9 / 13
+    n3 = sum(int(s.sample(wide, [tilt], [[]]).token_ids[0]) == 3 for _ in range(2000))
+    assert abs(n3 / 2000 - 9 / 13) < 0.04
+
+
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
     s = Sampler(0)
     logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])  # eos (0) then stop id 2 are the top two

@@ -275,7 +275,6 @@ def test_one_request_may_ask_for_at_most_1024_sequences(fake):
 @pytest.mark.parametrize(
     ("path", "extra", "field"),
     [
-        ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
         ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
@@ -336,6 +335,30 @@ def test_chat_template_kwargs_reach_the_template(monkeypatch) -> None:
         off = {**chat, "chat_template_kwargs": {"enable_thinking": False}}
         assert client.post("/v1/chat/completions", json=off).status_code == 200
     assert prompts == ["user: hi\nassistant: ", "user: hi\nassistant: /no"]
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(fake) -> None:
+    client, engine = fake
+    seen = []
+
+    def script(ids, params):
+        seen.append((params.logit_bias, params.allowed_token_ids))
+        return replay(engine.tokenizer, "ab", None, lp=False)
+
+    engine.script = script
+    body = {"prompt": "hi", "logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7, 9]}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"3": 1}}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert seen == [({5: -100.0, 7: 2.5}, [5, 7, 9]), ({3: 1.0}, None)]
+    for bad, needle in [
+        ({"logit_bias": {"x": 1}}, "logit_bias keys"),
+        ({"logit_bias": {"5": 101}}, "[-100, 100]"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias keys"),
+        ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
+    ]:
+        r = client.post("/v1/completions", json={"prompt": "hi", **bad})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_vllm_fields_at_their_defaults_pass_and_priority_reaches_the_engine(fake) -> None:

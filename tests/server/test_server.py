@@ -159,6 +159,23 @@ def test_structured_outputs(client: openai.OpenAI, model: str) -> None:
     assert all(t.logprob >= -9999.0 for e in r.choices[0].logprobs.content for t in e.top_logprobs)
 
 
+def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI, model: str) -> None:
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    plain = client.completions.create(**kw)
+    text = plain.choices[0].text
+    assert "Paris" in text
+    from shm_engine.model.loader import load_model_info
+
+    tok = load_model_info(None).tokenizer
+    paris = tok.encode(" Paris", add_special_tokens=False)
+    banned = client.completions.create(**kw, logit_bias={str(paris[0]): -100})
+    assert "Paris" not in banned.choices[0].text
+    # vLLM's allowed_token_ids: only these tokens can come
+    digits = [tok.encode(d, add_special_tokens=False)[0] for d in "0123456789"]
+    r = client.completions.create(**kw, extra_body={"allowed_token_ids": digits})
+    assert r.choices[0].text.isdigit() and len(r.choices[0].text) >= 4
+
+
 def test_streamed_logprobs_match_non_streamed(server, model: str) -> None:
     """Streamed logprobs add up to the non-streamed ones, text_offset included (echo with the
     prompt's logprobs, a stop string that holds text back while streaming)."""
@@ -336,7 +353,8 @@ def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop token id"),
         ("/v1/completions", {"prompt": "x", "priority": 1}, "priority scheduling policy"),
         (
