@@ -99,6 +99,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these tokens can be sampled
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated (each as the model tokenizes it, with and without a leading
+    # space); a word's last token is refused where the output so far ends with its others
+    bad_words: list[str] = []
 
     def __post_init__(self) -> None:
         # What vLLM's SamplingParams accepts and normalises, so configs written for it work.
@@ -108,6 +111,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if self.logprobs is True:
@@ -187,6 +192,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
                 raise ValueError("logit_bias keys must be token ids")
             if not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
+        if len(self.bad_words) > MAX_STOP_STRINGS:
+            raise ValueError(f"bad_words takes at most {MAX_STOP_STRINGS} words")
+        if any(not w.strip() or len(w) > 1000 for w in self.bad_words):
+            raise ValueError("bad_words must be non-blank words of at most 1000 characters")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
@@ -223,6 +232,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             type(t) is not int or not 0 <= t < _INT_LIMIT for t in ids
         ):
             raise ValueError("stop_token_ids must be a list of token ids")
+        if not isinstance(self.bad_words, list) or any(type(w) is not str for w in self.bad_words):
+            raise ValueError("bad_words must be a list of strings")
         bias = self.logit_bias
         if bias is not None and (
             not isinstance(bias, dict)

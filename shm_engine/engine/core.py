@@ -96,7 +96,24 @@ class EngineCore:
         )
         if params.structured_outputs is not None:
             req.matcher = self.grammars.compile(params.structured_outputs)
+        if params.bad_words:
+            req.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return req
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens, and those of " word" where that is another token sequence of the
+        same length (a word inside text), as vLLM's SamplingParams.update_from_tokenizer."""
+        tokenizer = getattr(self.runner, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer, which it lacks")
+        out: list[list[int]] = []
+        for word in words:
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return [ids for ids in out if ids]
 
     def add_request(self, msg: EngineCoreRequest | Request) -> None:
         req = msg if isinstance(msg, Request) else self.preprocess(msg)

@@ -217,7 +217,10 @@ class ModelRunner:
             state = self.sampler_states.get(req.request_id)
             if state is None:
                 state = self.sampler_states[req.request_id] = self.sampler.new_state(
-                    req.sampling_params, req.prompt_token_ids, req.eos_token_ids
+                    req.sampling_params,
+                    req.prompt_token_ids,
+                    req.eos_token_ids,
+                    req.bad_words_token_ids,
                 )
             states.append(state)
         num_rows = sum(rows)

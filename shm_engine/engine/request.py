@@ -57,6 +57,7 @@ class Request:
         "prompt_logprobs",
         "matcher",
         "constraint_error",
+        "bad_words_token_ids",
     )
 
     def __init__(
@@ -91,6 +92,7 @@ class Request:
         # structured outputs: an llguidance LLMatcher that has consumed the output so far
         self.matcher = None
         self.constraint_error: str | None = None  # why the constraint ends the request
+        self.bad_words_token_ids: list[list[int]] = []  # SamplingParams.bad_words, tokenized
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 Only what changes generation is modelled; unknown fields are ignored, as the OpenAI API tolerates
 new client fields, except vLLM's that this server does not implement (beam search, structural
-tags, bad_words, ...): those are refused unless at their defaults. vLLM's extra sampling fields
+tags, logits_processors, ...): those are refused unless at their defaults. vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, priority, cache_salt, ...) are accepted too, so
 clients written for vLLM work unchanged. Range checks live in SamplingParams
 (one place); its ValueError becomes an HTTP 400.
@@ -30,7 +30,6 @@ class StreamOptions(BaseModel):
 # ignoring it would change what the caller gets without saying so. Other unknown fields are
 # ignored, as the OpenAI API tolerates new client fields.
 _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "bad_words": ([],),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "truncate_prompt_tokens": (),
@@ -98,6 +97,7 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     # vLLM extensions
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -162,6 +162,7 @@ class _SamplingFields(BaseModel):
             structured_outputs=self._structured_outputs(),
             logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids or None,  # [] limits nothing
+            bad_words=list(self.bad_words or []),
         )
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")

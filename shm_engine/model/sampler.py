@@ -2,7 +2,8 @@
 
 Per row, in this order:
 1. min_tokens: EOS and stop_token_ids are masked while fewer than min_tokens were generated;
-   allowed_token_ids masks every other token; logit_bias is added (vLLM's logits processors;
+   allowed_token_ids masks every other token; bad words' last tokens are masked where the
+   output ends with the rest of the word; logit_bias is added (vLLM's logits processors;
    these commute).
 2. Penalties on the raw logits: repetition (Hugging Face: over prompt + output, positive logits
    divided by the penalty, negative ones multiplied), then frequency and presence (OpenAI: over the
@@ -78,6 +79,7 @@ class SamplingState:
     counts: torch.Tensor | None = None  # [V] float32 output-token counts (penalties only)
     seen: torch.Tensor | None = None  # [V] bool prompt + output tokens (repetition only)
     n_counted: int = 0
+    bad_words: Sequence[Sequence[int]] = ()  # token ids of SamplingParams.bad_words
     allowed: torch.Tensor | None = field(init=False)  # allowed_token_ids, int64
     bias: tuple[torch.Tensor, torch.Tensor] | None = field(init=False)  # ids, values
     needs_counts: bool = field(init=False)
@@ -105,8 +107,17 @@ class SamplingState:
 
     @property
     def edits_logits(self) -> bool:
-        """allowed_token_ids or logit_bias change this request's logits before sampling."""
-        return self.allowed is not None or self.bias is not None
+        """allowed_token_ids, bad_words or logit_bias change this request's logits."""
+        return self.allowed is not None or self.bias is not None or bool(self.bad_words)
+
+    def banned(self, output_ids: Sequence[int]) -> list[int]:
+        """The bad words' tokens that would complete one after ``output_ids``."""
+        out = []
+        for word in self.bad_words:
+            n = len(word) - 1
+            if n == 0 or (len(output_ids) >= n and list(output_ids[-n:]) == list(word[:-1])):
+                out.append(word[-1])
+        return out
 
     @property
     def has_penalties(self) -> bool:
@@ -175,11 +186,14 @@ class Sampler:
         params: SamplingParams,
         prompt_token_ids: Sequence[int] = (),
         eos_token_ids: Sequence[int] = (),
+        bad_words: Sequence[Sequence[int]] = (),
     ) -> SamplingState:
         # NOTE: EOS is masked during min_tokens even with ignore_eos, as in vLLM (its EOS joins
         # all_stop_token_ids either way): ignore_eos only keeps EOS from ending the request.
         stop = [*params.stop_token_ids, *eos_token_ids]
-        return SamplingState(params, prompt_token_ids, tuple(dict.fromkeys(stop)))
+        return SamplingState(
+            params, prompt_token_ids, tuple(dict.fromkeys(stop)), bad_words=bad_words
+        )
 
     @torch.no_grad()
     def sample(
@@ -278,6 +292,9 @@ class Sampler:
                 kept = x[i, ids]
                 x[i] = float("-inf")
                 x[i, ids] = kept
+            banned = [t for t in s.banned(output_token_ids[i]) if t < v]
+            if banned:
+                x[i, banned] = float("-inf")
             if s.bias is not None:
                 ids, values = s.bias
                 inside = ids < v

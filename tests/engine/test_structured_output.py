@@ -304,3 +304,17 @@ def test_an_invalid_constraint_is_refused_at_add_and_the_engine_serves_on() -> N
     submit(core, "ok", StructuredOutputsParams(choice=["fine"]), temperature=0.0)
     assert text(run(core)["ok"]["ids"]) == "fine"
     core.shutdown()
+
+
+def test_bad_words_never_appear_as_the_model_tokenizes_them() -> None:
+    core = make_core()
+    submit(core, "free", None, temperature=0.0, max_tokens=60)
+    free = run(core)["free"]["ids"]
+    printable = [33 <= t <= 126 and t != ord('"') for t in free]  # one byte-token a character
+    i = next(i for i in range(len(free) - 1) if printable[i] and printable[i + 1])
+    word = chr(free[i]) + chr(free[i + 1])  # two tokens the model writes unprompted
+    submit(core, "banned", None, temperature=0.0, max_tokens=60, bad_words=[word])
+    got = run(core)["banned"]["ids"]
+    assert got[: i + 1] == free[: i + 1] and got[i + 1] != free[i + 1]
+    assert all(got[j : j + 2] != free[i : i + 2] for j in range(len(got) - 1))
+    core.shutdown()

@@ -260,6 +260,17 @@ def test_logit_bias_and_allowed_token_ids() -> None:
     assert abs(n3 / 2000 - 9 / 13) < 0.04
 
 
+def test_bad_words_ban_a_words_last_token_after_the_rest() -> None:
+    s = Sampler(0)
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])  # 1 > 2 > 3 > 0
+    st = s.new_state(SP(temperature=0.0, bad_words=["w"]), bad_words=[[1], [2, 3, 2]])
+    assert not st.plain_greedy
+    assert s.sample(logits, [st], [[]]).token_ids.tolist() == [2]  # [1] always banned
+    assert s.sample(logits, [st], [[0, 2, 3]]).token_ids.tolist() == [3]  # 2 3 | 2 banned
+    assert s.sample(logits, [st], [[2, 0, 3]]).token_ids.tolist() == [2]  # not after 2 3
+    assert st.banned([3]) == [1] and st.banned([2, 3]) == [1, 2]
+
+
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
     s = Sampler(0)
     logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])  # eos (0) then stop id 2 are the top two

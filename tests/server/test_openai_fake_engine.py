@@ -280,7 +280,7 @@ def test_one_request_may_ask_for_at_most_1024_sequences(fake):
         ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
         ("/v1/chat/completions", {"structural_tag": "{}"}, "structural_tag"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "may not set"),
-        ("/v1/chat/completions", {"bad_words": ["no"]}, "bad_words"),
+        ("/v1/chat/completions", {"logits_processors": ["x"]}, "logits_processors"),
         ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
     ],
 )
@@ -337,25 +337,27 @@ def test_chat_template_kwargs_reach_the_template(monkeypatch) -> None:
     assert prompts == ["user: hi\nassistant: ", "user: hi\nassistant: /no"]
 
 
-def test_logit_bias_and_allowed_token_ids_reach_the_engine(fake) -> None:
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine(fake) -> None:
     client, engine = fake
     seen = []
 
     def script(ids, params):
-        seen.append((params.logit_bias, params.allowed_token_ids))
+        seen.append((params.logit_bias, params.allowed_token_ids, params.bad_words))
         return replay(engine.tokenizer, "ab", None, lp=False)
 
     engine.script = script
     body = {"prompt": "hi", "logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7, 9]}
+    body["bad_words"] = ["darn it"]
     assert client.post("/v1/completions", json=body).status_code == 200
     chat = {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"3": 1}}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
-    assert seen == [({5: -100.0, 7: 2.5}, [5, 7, 9]), ({3: 1.0}, None)]
+    assert seen == [({5: -100.0, 7: 2.5}, [5, 7, 9], ["darn it"]), ({3: 1.0}, None, [])]
     for bad, needle in [
         ({"logit_bias": {"x": 1}}, "logit_bias keys"),
         ({"logit_bias": {"5": 101}}, "[-100, 100]"),
         ({"logit_bias": {"-1": 1}}, "logit_bias keys"),
         ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
+        ({"bad_words": ["  "]}, "bad_words"),
     ]:
         r = client.post("/v1/completions", json={"prompt": "hi", **bad})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

@@ -159,7 +159,7 @@ def test_structured_outputs(client: openai.OpenAI, model: str) -> None:
     assert all(t.logprob >= -9999.0 for e in r.choices[0].logprobs.content for t in e.top_logprobs)
 
 
-def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI, model: str) -> None:
+def test_logit_bias_allowed_token_ids_and_bad_words(client: openai.OpenAI, model: str) -> None:
     kw = dict(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
     plain = client.completions.create(**kw)
     text = plain.choices[0].text
@@ -170,6 +170,9 @@ def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI, model: str) -> 
     paris = tok.encode(" Paris", add_special_tokens=False)
     banned = client.completions.create(**kw, logit_bias={str(paris[0]): -100})
     assert "Paris" not in banned.choices[0].text
+    # vLLM's bad_words: the word as the model tokenizes it, inside text too (" Paris")
+    r = client.completions.create(**kw, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in r.choices[0].text
     # vLLM's allowed_token_ids: only these tokens can come
     digits = [tok.encode(d, add_special_tokens=False)[0] for d in "0123456789"]
     r = client.completions.create(**kw, extra_body={"allowed_token_ids": digits})
