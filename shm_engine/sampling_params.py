@@ -18,6 +18,16 @@ _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 128
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI's values are in [-100, 100]
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary this engine loads
+MAX_BAD_WORDS = 128
+# The lists' caps, by field name: the server counts them in a large body before validating it.
+LIST_CAPS = {
+    "stop": MAX_STOP_STRINGS,
+    "stop_token_ids": MAX_STOP_TOKEN_IDS,
+    "allowed_token_ids": MAX_ALLOWED_TOKEN_IDS,
+    "bad_words": MAX_BAD_WORDS,
+    "logit_bias": MAX_LOGIT_BIAS,
+}
 # A grammar is compiled in the engine's input thread; the source's size bounds that work.
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 4096
@@ -113,6 +123,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             self.stop_token_ids = []
         if self.bad_words is None:
             self.bad_words = []
+        if self.logit_bias and any(type(k) is str for k in self.logit_bias):
+            try:  # vLLM's: JSON keys are strings
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids") from None
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if self.logprobs is True:
@@ -192,13 +207,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
                 raise ValueError("logit_bias keys must be token ids")
             if not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
-        if len(self.bad_words) > MAX_STOP_STRINGS:
-            raise ValueError(f"bad_words takes at most {MAX_STOP_STRINGS} words")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words")
         if any(not w.strip() or len(w) > 1000 for w in self.bad_words):
             raise ValueError("bad_words must be non-blank words of at most 1000 characters")
         if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty")
+            if not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids takes 1 to {MAX_ALLOWED_TOKEN_IDS} ids")
             if any(t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be token ids")
 

@@ -79,8 +79,21 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
-        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
-            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+        if params.allowed_token_ids:
+            allowed = np.unique(np.asarray(params.allowed_token_ids, dtype=np.int64))
+            if allowed[-1] >= vocab:
+                raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+            stops = {*params.stop_token_ids, *self.runner.eos_token_ids}
+            if (
+                params.min_tokens
+                and len(allowed) <= len(stops)
+                and stops.issuperset(allowed.tolist())
+            ):
+                # every allowed token is masked during min_tokens: nothing could be sampled
+                raise ValueError(
+                    "allowed_token_ids are all EOS or stop tokens, which min_tokens masks"
+                )
+            params.allowed_token_ids = allowed.tolist()  # sorted once, off the busy loop
         self.scheduler.check_fits(len(prompt))
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

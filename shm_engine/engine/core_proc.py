@@ -189,6 +189,12 @@ class EngineCoreProc:
             except (ValueError, TypeError) as e:
                 self._emit(client, _error_output(msg.request_id, str(e)))
                 return
+            except Exception as e:  # a bug or a resource (the grammar thread could not start)
+                # NOTE: the request fails, not this thread: its death would leave the client's
+                # later requests and aborts unread.
+                logger.exception("request %r could not be prepared", msg.request_id)
+                self._emit(client, _error_output(msg.request_id, f"{type(e).__name__}: {e}"))
+                return
         elif isinstance(msg, AbortRequests):
             msg = _Abort(client, msg.request_ids)
             self.abort_queue.put(msg)

@@ -172,6 +172,9 @@ def _big_stack_executor(stack_bytes: int) -> ThreadPoolExecutor:
 # A mask or token step of a constraint that takes longer ends its request with an error: it runs
 # on the busy loop, where every other request waits for it. Realistic constraints take ~0.01-0.3
 # ms; an ambiguous grammar grows slower with each token (_limits).
+# NOTE: CPU time of the calling thread (llguidance computes there, without the GIL): wall time
+# also counted waiting for the GIL behind another thread's long C call, and a review saw a
+# 0.1 ms mask measured at 80 ms, ending an innocent request.
 MAX_CALL_SECONDS = 0.05
 
 
@@ -193,9 +196,9 @@ class MaskFiller:
         out = np.empty((len(matchers), self.words), dtype=np.int32)
         seconds = []
         for row, matcher in zip(out, matchers, strict=True):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-            seconds.append(time.perf_counter() - t0)
+            seconds.append(time.thread_time() - t0)
         return out, seconds
 
 
@@ -204,9 +207,9 @@ def consume(matcher, token: int) -> str | None:
 
     A refused token is possible only when other masks left the constraint no token (its only
     ones among stop ids masked during min_tokens) or llguidance hit one of its limits."""
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     ok = matcher.consume_token(token)
-    seconds = time.perf_counter() - t0
+    seconds = time.thread_time() - t0
     if not ok:
         return f"token {token} breaks the constraint: {matcher.get_error()[:500]}"
     if seconds > MAX_CALL_SECONDS:

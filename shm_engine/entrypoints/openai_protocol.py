@@ -354,13 +354,18 @@ class _BodyShape(msgspec.Struct):
 
     messages: list[_AnyObject] | None = None
     stop: str | list[msgspec.Raw] | None = None
+    stop_token_ids: list[msgspec.Raw] | None = None
+    allowed_token_ids: list[msgspec.Raw] | None = None
+    bad_words: list[msgspec.Raw] | None = None
+    logit_bias: dict[str, msgspec.Raw] | None = None
 
 
 _BODY_SHAPE = msgspec.json.Decoder(_BodyShape)
 
 
-def screen_counts(body: bytes) -> tuple[int, int] | None:
-    """(messages, stop strings) in a request body, counted without validating it: 300k
+def screen_counts(body: bytes) -> dict[str, int] | None:
+    """The lengths of a request body's lists (``messages``, ``stop``, ``stop_token_ids``,
+    ``allowed_token_ids``, ``bad_words``, ``logit_bias``), counted without validating it: 300k
     messages took 60 ms here where pydantic took 2 s, and 2.5M stop strings 15 s, all of it
     holding the event loop (and the GIL, so a thread would not help). None when the body has
     another shape: validation says what is wrong.
@@ -369,8 +374,12 @@ def screen_counts(body: bytes) -> tuple[int, int] | None:
         shape = _BODY_SHAPE.decode(body)
     except msgspec.DecodeError:  # ValidationError included
         return None
-    stop = shape.stop
-    return len(shape.messages or ()), 1 if isinstance(stop, str) else len(stop or ())
+    counts = {
+        name: len(getattr(shape, name) or ())
+        for name in ("messages", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias")
+    }
+    counts["stop"] = 1 if isinstance(shape.stop, str) else len(shape.stop or ())
+    return counts
 
 
 # --------------------------------------------------------------------------- error responses

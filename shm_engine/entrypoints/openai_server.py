@@ -51,7 +51,7 @@ from shm_engine.entrypoints.openai_protocol import (
     screen_counts,
 )
 from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
-from shm_engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from shm_engine.sampling_params import LIST_CAPS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +168,10 @@ class OpenAIServer:
         counts = screen_counts(body)
         if counts is None:
             return None
-        messages, stops = counts
-        if stops > MAX_STOP_STRINGS:
-            return f"stop takes at most {MAX_STOP_STRINGS} strings, got {stops}"
-        limit = self.engine.max_model_len
+        for name, cap in LIST_CAPS.items():
+            if counts[name] > cap:
+                return f"{name} takes at most {cap} entries, got {counts[name]}"
+        limit, messages = self.engine.max_model_len, counts["messages"]
         if path != "/v1/chat/completions" or messages <= limit:
             return None
         return (

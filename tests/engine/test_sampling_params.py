@@ -52,6 +52,16 @@ def test_a_field_assigned_the_wrong_type_later_is_caught_before_sending() -> Non
         sp.check_types()
 
 
+def test_logit_bias_keys_may_be_strings_as_in_vllm_and_lists_are_capped() -> None:
+    assert SamplingParams(logit_bias={"5": 1.0}).logit_bias == {5: 1.0}
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={"x": 1.0})
+    with pytest.raises(ValueError, match="allowed_token_ids takes 1 to"):
+        SamplingParams(allowed_token_ids=[0] * ((1 << 18) + 1))
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["w"] * 129)
+
+
 def test_logit_bias_and_allowed_token_ids_types_are_checked() -> None:
     sp = SamplingParams(logit_bias={5: 2}, allowed_token_ids=[1, 2])
     sp.check_types()

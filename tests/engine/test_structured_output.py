@@ -318,3 +318,14 @@ def test_bad_words_never_appear_as_the_model_tokenizes_them() -> None:
     assert got[: i + 1] == free[: i + 1] and got[i + 1] != free[i + 1]
     assert all(got[j : j + 2] != free[i : i + 2] for j in range(len(got) - 1))
     core.shutdown()
+
+
+def test_allowed_tokens_that_min_tokens_would_all_mask_are_refused_at_add() -> None:
+    # Sampling would have had no token left and drawn token 0, which is not allowed.
+    core = make_core()
+    with pytest.raises(ValueError, match="min_tokens masks"):
+        submit(core, "r", None, allowed_token_ids=[EOS, 7], stop_token_ids=[7], min_tokens=3)
+    submit(core, "ok", None, temperature=0.0, allowed_token_ids=[7, 9, 9], max_tokens=5)
+    got = run(core)["ok"]["ids"]
+    assert set(got) <= {7, 9} and len(got) == 5
+    core.shutdown()

@@ -337,6 +337,22 @@ def test_chat_template_kwargs_reach_the_template(monkeypatch) -> None:
     assert prompts == ["user: hi\nassistant: ", "user: hi\nassistant: /no"]
 
 
+def test_large_lists_are_counted_and_refused_before_validation(fake) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    for field, value in [
+        ("allowed_token_ids", [0] * 600_000),  # bodies over 1 MiB are screened
+        ("stop_token_ids", [1] * 600_000),
+        ("bad_words", ["w"] * 300_000),
+        ("logit_bias", {str(i): 1 for i in range(150_000)}),
+    ]:
+        t0 = time.perf_counter()
+        r = client.post("/v1/completions", json={"prompt": "hi", field: value})
+        assert r.status_code == 400, r.text
+        assert f"{field} takes at most" in r.json()["error"]["message"]
+        assert time.perf_counter() - t0 < 2
+
+
 def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine(fake) -> None:
     client, engine = fake
     seen = []
@@ -533,7 +549,7 @@ def test_a_large_body_of_many_stop_strings_is_refused_before_validation(fake, mo
     ):
         r = client.post(path, json=body)
         assert r.status_code == 400, r.text
-        assert "at most 128 strings, got 300000" in r.json()["error"]["message"]
+        assert "at most 128 entries, got 300000" in r.json()["error"]["message"]
     assert validated == []
     # Under the screen's size, SamplingParams gives the same answer.
     r = client.post("/v1/completions", json={"prompt": "hi", "stop": ["ab"] * 129})
