@@ -537,6 +537,37 @@ AVX2_FN __attribute__((noinline)) static void avx2_row_dots(const gemm_ctx *c, i
     avx2_kernel(c, blk, wb, i, 1, 1, 0);
 }
 
+/* Per channel, k pair 0 + k pair 1 of quad-row lane sums (exact): hadd gives channels
+ * 0 1 4 5 | 2 3 6 7, the permute puts them in order. */
+INLINE AVX2_FN __m256i avx2_pair_sum(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
+}
+
+/* Group g's exact dots of rows i0 .. i0 + rows - 1 (d[r]: channels 0-7, 8-15): stored raw, or
+ * folded with the group's scales into the rows' fp32 sums f (kept in memory between groups). */
+INLINE AVX2_FN void avx2_group_out(const gemm_ctx *c, int64_t blk, int64_t g, int64_t i0,
+                                   const int rows, const __m256i d[][2], const int raw,
+                                   float f[][NB]) {
+    if (raw) {
+        for (int r = 0; r < rows; r++) {
+            int32_t t[NB];
+            _mm256_storeu_si256((__m256i *)t, d[r][0]);
+            _mm256_storeu_si256((__m256i *)(t + 8), d[r][1]);
+            store_dots(c, i0 + r, blk, g, t);
+        }
+        return;
+    }
+    const uint16_t *sp = c->scales + (blk * c->G + g) * NB;
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 8)));
+    for (int r = 0; r < rows; r++) {
+        _mm256_store_ps(f[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][0]), s0,
+                                              _mm256_load_ps(f[r])));
+        _mm256_store_ps(f[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][1]), s1,
+                                                  _mm256_load_ps(f[r] + 8)));
+    }
+}
+
 /* Two rows from the quad rows as they lie (no pair-row copy of the block): each widened weight
  * quad feeds both rows.  The fp32 sums live in memory between groups so that the loop's eight
  * accumulators, two broadcasts and the weight stay in registers. */
@@ -574,30 +605,9 @@ INLINE AVX2_FN void avx2_rows2_kernel(const gemm_ctx *c, int64_t blk, const int8
                     : [q] "r"(q), [va] "x"(va), [vb] "x"(vb), "m"(*(const char(*)[64])q));
 #undef AVX2_QUAD2
         }
-        /* per channel, k pair 0 + k pair 1 (exact): hadd gives channels 0 1 4 5 | 2 3 6 7 */
-        const __m256i d[2][2] = {
-            {_mm256_permute4x64_epi64(_mm256_hadd_epi32(e0, e1), 0xD8),
-             _mm256_permute4x64_epi64(_mm256_hadd_epi32(e2, e3), 0xD8)},
-            {_mm256_permute4x64_epi64(_mm256_hadd_epi32(h0, h1), 0xD8),
-             _mm256_permute4x64_epi64(_mm256_hadd_epi32(h2, h3), 0xD8)}};
-        if (raw) {
-            for (int r = 0; r < 2; r++) {
-                int32_t t[NB];
-                _mm256_storeu_si256((__m256i *)t, d[r][0]);
-                _mm256_storeu_si256((__m256i *)(t + 8), d[r][1]);
-                store_dots(c, i0 + r, blk, g, t);
-            }
-            continue;
-        }
-        const uint16_t *sp = c->scales + (blk * c->G + g) * NB;
-        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
-        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 8)));
-        for (int r = 0; r < 2; r++) {
-            _mm256_store_ps(f[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][0]), s0,
-                                                  _mm256_load_ps(f[r])));
-            _mm256_store_ps(f[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][1]), s1,
-                                                      _mm256_load_ps(f[r] + 8)));
-        }
+        const __m256i d[2][2] = {{avx2_pair_sum(e0, e1), avx2_pair_sum(e2, e3)},
+                                 {avx2_pair_sum(h0, h1), avx2_pair_sum(h2, h3)}};
+        avx2_group_out(c, blk, g, i0, 2, d, raw, f);
     }
     if (raw) return;
     for (int r = 0; r < 2; r++)
@@ -661,32 +671,10 @@ INLINE AVX2_FN void avx2_rows3_kernel(const gemm_ctx *c, int64_t blk, const int8
 #undef AVX2_QUAD3_ASM
 #undef AVX2_QUAD3
         }
-        /* per channel, k pair 0 + k pair 1 (exact): hadd gives channels 0 1 4 5 | 2 3 6 7 */
-        const __m256i d[3][2] = {
-            {_mm256_permute4x64_epi64(_mm256_hadd_epi32(e0, e1), 0xD8),
-             _mm256_permute4x64_epi64(_mm256_hadd_epi32(e2, e3), 0xD8)},
-            {_mm256_permute4x64_epi64(_mm256_hadd_epi32(h0, h1), 0xD8),
-             _mm256_permute4x64_epi64(_mm256_hadd_epi32(h2, h3), 0xD8)},
-            {_mm256_permute4x64_epi64(_mm256_hadd_epi32(k0, k1), 0xD8),
-             _mm256_permute4x64_epi64(_mm256_hadd_epi32(k2, k3), 0xD8)}};
-        if (raw) {
-            for (int row = 0; row < 3; row++) {
-                int32_t t[NB];
-                _mm256_storeu_si256((__m256i *)t, d[row][0]);
-                _mm256_storeu_si256((__m256i *)(t + 8), d[row][1]);
-                store_dots(c, i0 + row, blk, g, t);
-            }
-            continue;
-        }
-        const uint16_t *sp = c->scales + (blk * c->G + g) * NB;
-        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
-        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 8)));
-        for (int row = 0; row < 3; row++) {
-            _mm256_store_ps(f[row], _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[row][0]), s0,
-                                                    _mm256_load_ps(f[row])));
-            _mm256_store_ps(f[row] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[row][1]), s1,
-                                                        _mm256_load_ps(f[row] + 8)));
-        }
+        const __m256i d[3][2] = {{avx2_pair_sum(e0, e1), avx2_pair_sum(e2, e3)},
+                                 {avx2_pair_sum(h0, h1), avx2_pair_sum(h2, h3)},
+                                 {avx2_pair_sum(k0, k1), avx2_pair_sum(k2, k3)}};
+        avx2_group_out(c, blk, g, i0, 3, d, raw, f);
     }
     if (raw) return;
     for (int row = 0; row < 3; row++)
