@@ -28,7 +28,7 @@ LIST_CAPS = {
     "bad_words": MAX_BAD_WORDS,
     "logit_bias": MAX_LOGIT_BIAS,
 }
-# A grammar is compiled in the engine's input thread; the source's size bounds that work.
+# A grammar is compiled in the engine (engine/structured_output.py); its size bounds that work.
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 4096
 
@@ -109,7 +109,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these tokens can be sampled
     allowed_token_ids: list[int] | None = None
-    # vLLM's: words never generated (each as the model tokenizes it, with and without a leading
+    # vLLM's: words not generated as the model tokenizes them (with and without a leading
     # space); a word's last token is refused where the output so far ends with its others
     bad_words: list[str] = []
 
@@ -205,11 +205,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
                 raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
             if any(t < 0 for t in self.logit_bias):
                 raise ValueError("logit_bias keys must be token ids")
-            if not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            if not all(
+                isinstance(b, int | float) and -100.0 <= b <= 100.0
+                for b in self.logit_bias.values()
+            ):
                 raise ValueError("logit_bias values must be in [-100, 100]")
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words")
-        if any(not w.strip() or len(w) > 1000 for w in self.bad_words):
+        if any(type(w) is not str or not w.strip() or len(w) > 1000 for w in self.bad_words):
             raise ValueError("bad_words must be non-blank words of at most 1000 characters")
         if self.allowed_token_ids is not None:
             if not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:

@@ -66,8 +66,8 @@ class GrammarCompiler:
     killed the engine process with SIGSEGV. Its parser guards syntactic nesting (parentheses,
     inline schemas) itself; the chains are bounded here by the grammar's size (MAX_SOURCE_BYTES)
     and compiled, and copied, on a thread whose stack holds that (the stack is reserved address
-    space, not memory). Requests are compiled one at a time: a client's next request waits for
-    the one before it, as its input thread does.
+    space, not memory). One thread compiles for every client, one request at a time; a
+    client's input thread waits for its request's compile.
     """
 
     STACK_BYTES = 256 << 20

@@ -91,8 +91,8 @@ class SamplingState:
         self.needs_counts = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         self.needs_seen = p.repetition_penalty != 1.0
         self.allowed = None
-        if p.allowed_token_ids is not None:
-            self.allowed = torch.tensor(sorted(set(p.allowed_token_ids)), dtype=torch.long)
+        if p.allowed_token_ids is not None:  # deduplicated by EngineCore.preprocess
+            self.allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
         self.bias = None
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
@@ -266,8 +266,8 @@ class Sampler:
         penalized_rows: Sequence[int] | None = None,
         edited_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """`logits` with min_tokens masking, allowed_token_ids, logit_bias and penalties
-        applied (a copy if any applies)."""
+        """`logits` with min_tokens masking, allowed_token_ids, bad_words, logit_bias and
+        penalties applied (a copy if any applies)."""
         v = logits.shape[1]
         if min_tok_rows is None:
             min_tok_rows = [
