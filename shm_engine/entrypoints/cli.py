@@ -9,6 +9,7 @@ import select
 import signal
 import sys
 import time
+from pathlib import Path
 
 from shm_engine.entrypoints.cli_parser import OneLineParser, fail, int_in
 
@@ -60,6 +61,29 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    # structured outputs, as llama.cpp's CLI takes them (one at a time)
+    so = p.add_mutually_exclusive_group()
+    so.add_argument(
+        "--json-schema", type=_text_or_file, help="the output follows this JSON schema (or file)"
+    )
+    so.add_argument("--regex", help="the output matches this regex")
+    so.add_argument(
+        "--choice", action="append", help="the output is one of these (repeat the flag)"
+    )
+    so.add_argument(
+        "--grammar",
+        type=_text_or_file,
+        help="the output follows this Lark or GBNF grammar (or file)",
+    )
+
+
+def _text_or_file(value: str) -> str:
+    """The value, or the text of the file it names."""
+    path = Path(value)
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else value
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{value}: {e}") from None
 
 
 def _build_llm(args):
@@ -99,14 +123,24 @@ def _speculative(args) -> dict:
 
 
 def _params(args):
-    from shm_engine import SamplingParams
+    from shm_engine import SamplingParams, StructuredOutputsParams
 
+    constraint = None
+    if args.json_schema is not None:
+        constraint = StructuredOutputsParams(json=args.json_schema)
+    elif args.regex is not None:
+        constraint = StructuredOutputsParams(regex=args.regex)
+    elif args.choice:
+        constraint = StructuredOutputsParams(choice=list(args.choice))
+    elif args.grammar is not None:
+        constraint = StructuredOutputsParams(grammar=args.grammar)
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        structured_outputs=constraint,
     )
 
 

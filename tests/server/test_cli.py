@@ -164,3 +164,37 @@ def test_serve_passes_the_speculative_settings_to_the_engine() -> None:
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
         4, 2, 3,
     )  # fmt: skip
+
+
+def test_structured_output_flags_become_the_requests_constraint(tmp_path) -> None:
+    from shm_engine.sampling_params import StructuredOutputsParams as S
+
+    parser = cli.build_parser()
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    cases = [
+        (["--json-schema", str(schema)], S(json='{"type": "object"}')),
+        (["--json-schema", '{"type": "integer"}'], S(json='{"type": "integer"}')),
+        (["--regex", "[0-9]+"], S(regex="[0-9]+")),
+        (["--choice", "yes", "--choice", "no"], S(choice=["yes", "no"])),
+        (["--grammar", 'root ::= "a"'], S(grammar='root ::= "a"')),
+        ([], None),
+    ]
+    for flags, want in cases:
+        args = parser.parse_args(["generate", "hi", *flags])
+        assert cli._params(args).structured_outputs == want, flags
+
+
+def test_two_structured_output_flags_are_one_line_error(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--regex", "a", "--choice", "b"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "not allowed with" in err
+
+
+@pytest.mark.slow
+def test_generate_with_a_choice_writes_one_of_them(capsys) -> None:
+    argv = ["generate", "Is the sky blue? Answer:", "--choice", " yes", "--choice", " no"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip("\n").endswith((" yes", " no"))
