@@ -224,7 +224,6 @@ class ModelRunner:
                 )
             states.append(state)
         num_rows = sum(rows)
-        masked = [c for c in sampling if c.token_mask is not None]
         # NOTE: every row plain greedy (the common case): the model's native call also takes
         # each row's argmax and the sampler is skipped, no Python between the LM head and the
         # tokens (batch 16: ~0.2 ms a step on the cold caches a step leaves)
@@ -232,7 +231,7 @@ class ModelRunner:
         if states and all(s.plain_greedy for s in states) and scores is None:
             greedy = torch.empty(num_rows, dtype=torch.int64)
         logits = self.model.forward(batch, self.kv_caches, greedy)
-        if masked:
+        if any(c.token_mask is not None for c in sampling):
             masked_rows, argmax = self._apply_token_masks(sampling, rows, logits)
             if greedy is not None:  # those rows' argmax again, among the allowed tokens
                 greedy[masked_rows] = torch.from_numpy(argmax)
@@ -289,8 +288,8 @@ class ModelRunner:
         """Structured outputs: the tokens a request's constraint refuses get -inf logits (and
         so logprobs), as vLLM applies its grammar bitmask before sampling; returns the rows
         and their argmax after masking."""
-        starts = np.cumsum([0] + [r for r in rows if r])
-        masked = [(int(row), c.token_mask) for c, row in zip(sampling, starts, strict=False)]
+        starts = np.cumsum([0] + [r for r in rows if r])[:-1]  # each sampling chunk's first row
+        masked = [(int(row), c.token_mask) for c, row in zip(sampling, starts, strict=True)]
         masked = [(row, mask) for row, mask in masked if mask is not None]
         masked_rows = [row for row, _ in masked]
         argmax = mask_rows(logits, masked_rows, np.stack([mask for _, mask in masked]))

@@ -31,7 +31,7 @@ from shm_engine.engine.kv_cache_manager import KVCacheManager
 from shm_engine.engine.ngram_proposer import NgramProposer
 from shm_engine.engine.protocol import EngineCoreOutputs, Logprobs, SchedulerStats
 from shm_engine.engine.request import FINISH_REASON, Request, RequestStatus
-from shm_engine.engine.structured_output import MAX_CALL_SECONDS, MaskFiller, consume, too_slow
+from shm_engine.engine.structured_output import MaskFiller, consume
 
 logger = logging.getLogger(__name__)
 
@@ -293,11 +293,11 @@ class Scheduler:
             return
         if self.masks is None:
             self.masks = MaskFiller(self.vocab_size)
-        rows, seconds = self.masks.fill([c.request.matcher for c in constrained])
-        for chunk, row, dt in zip(constrained, rows, seconds, strict=True):
+        rows, errors = self.masks.fill([c.request.matcher for c in constrained])
+        for chunk, row, error in zip(constrained, rows, errors, strict=True):
             chunk.token_mask = row
-            if dt > MAX_CALL_SECONDS:  # this step runs; its token ends the request
-                chunk.request.constraint_error = too_slow(dt)
+            if error is not None:  # this step runs; its token ends the request
+                chunk.request.constraint_error = error
 
     def _add_drafts(self, chunks, budget: int) -> None:
         """Give the step's decodes drafts from what is left of its budget and free blocks.

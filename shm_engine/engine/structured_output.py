@@ -180,7 +180,7 @@ MAX_CALL_SECONDS = 0.05
 
 class MaskFiller:
     """Each step's masks, one int32 row of ``ceil(vocab / 32)`` words a matcher (bit t % 32 of
-    word t // 32: token t allowed), and the seconds each took.
+    word t // 32: token t allowed).
 
     A mask costs ~10 us in a JSON string without a length bound and ~150-250 us with one (the
     tokenizer's precomputed slices no longer apply) on SmolLM2's vocabulary.
@@ -192,14 +192,15 @@ class MaskFiller:
     def __init__(self, vocab_size: int) -> None:
         self.words = (vocab_size + 31) // 32
 
-    def fill(self, matchers: list) -> tuple[np.ndarray, list[float]]:
+    def fill(self, matchers: list) -> tuple[np.ndarray, list[str | None]]:
+        """The masks, and for each why its request must end (a mask too slow), or None."""
         out = np.empty((len(matchers), self.words), dtype=np.int32)
-        seconds = []
+        errors = []
         for row, matcher in zip(out, matchers, strict=True):
             t0 = time.thread_time()
             matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-            seconds.append(time.thread_time() - t0)
-        return out, seconds
+            errors.append(_too_slow(time.thread_time() - t0))
+        return out, errors
 
 
 def consume(matcher, token: int) -> str | None:
@@ -212,12 +213,12 @@ def consume(matcher, token: int) -> str | None:
     seconds = time.thread_time() - t0
     if not ok:
         return f"token {token} breaks the constraint: {matcher.get_error()[:500]}"
-    if seconds > MAX_CALL_SECONDS:
-        return too_slow(seconds)
-    return None
+    return _too_slow(seconds)
 
 
-def too_slow(seconds: float) -> str:
+def _too_slow(seconds: float) -> str | None:
+    if seconds <= MAX_CALL_SECONDS:
+        return None
     return (
         f"the constraint took {seconds * 1e3:.0f} ms for one token (at most "
         f"{MAX_CALL_SECONDS * 1e3:.0f} ms): too costly to follow"

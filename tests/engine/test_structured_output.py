@@ -174,14 +174,32 @@ def test_a_constraint_too_slow_to_follow_ends_its_request_alone() -> None:
     core.shutdown()
 
 
+def test_a_mask_or_token_over_the_time_cap_ends_only_its_request(monkeypatch) -> None:
+    # The cap (50 ms of the thread's CPU time) as if every call exceeded it: masks and tokens.
+    import shm_engine.engine.structured_output as so
+
+    monkeypatch.setattr(so, "MAX_CALL_SECONDS", -1.0)
+    matcher = GrammarCompiler(TOKENIZER, VOCAB, [EOS]).compile(StructuredOutputsParams(regex="a+"))
+    _, errors = MaskFiller(VOCAB).fill([matcher])
+    assert "too costly to follow" in errors[0]
+    assert "too costly to follow" in so.consume(matcher, ord("a"))
+    core = make_core()
+    submit(core, "slow", StructuredOutputsParams(regex="[ab]{5}"), temperature=0.0)
+    submit(core, "plain", None, temperature=0.0, max_tokens=5)
+    got = run(core)
+    assert got["slow"]["finish"] == "error" and len(got["slow"]["ids"]) == 1
+    assert got["plain"]["finish"] == "length" and len(got["plain"]["ids"]) == 5
+    core.shutdown()
+
+
 def test_masks_mark_exactly_the_allowed_tokens() -> None:
     compiler = GrammarCompiler(TOKENIZER, VOCAB, [EOS])
     S = StructuredOutputsParams
     matchers = [compiler.compile(S(regex="[b-d]x")), compiler.compile(S(choice=["q", "zz"]))]
     filler = MaskFiller(VOCAB)
     one, _ = filler.fill(matchers[:1])
-    both, seconds = filler.fill(matchers)
-    assert len(seconds) == 2 and all(0 <= t < 1 for t in seconds)
+    both, errors = filler.fill(matchers)
+    assert errors == [None, None]
     assert one.shape == (1, 10) and both.shape == (2, 10) and both.dtype == np.int32
     assert np.array_equal(one[0], both[0])
     assert np.flatnonzero(allowed_tokens(both[0], VOCAB)).tolist() == [ord(c) for c in "bcd"]
