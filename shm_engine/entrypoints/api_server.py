@@ -36,7 +36,7 @@ from shm_engine.entrypoints.openai_protocol import (
     CompletionRequest,
     without_validation_422,
 )
-from shm_engine.entrypoints.openai_server import OpenAIServer
+from shm_engine.entrypoints.openai_server import ChatOptions, OpenAIServer
 from shm_engine.model.loader import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def build_app(
     served_model_name: str | None = None,
     data_parallel_size: int = 1,
     model_info: ModelInfo | None = None,
+    chat_options: ChatOptions | None = None,
 ) -> HotRoutes:
     """The ASGI app; the engine starts in its lifespan and stops with it.
 
@@ -67,7 +68,7 @@ def build_app(
             raise
         metrics = ServerMetrics(engine.model_name)
         engine.on_finished = metrics.observe_finished
-        app.state.server = OpenAIServer(engine, metrics, engine.model_name)
+        app.state.server = OpenAIServer(engine, metrics, engine.model_name, chat_options)
         # NOTE: the startup heap (FastAPI, pydantic, the tokenizer, torch's modules: ~200k
         # objects) leaves the collector's generations. A full collection walked it in 75-135 ms
         # here, a stall for every stream in flight; per-request garbage triggers one every few
@@ -177,6 +178,7 @@ def serve(
     access_log: bool = False,
     data_parallel_size: int = 1,
     model_info: ModelInfo | None = None,
+    chat_options: ChatOptions | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
     if not 0 <= port <= 65535:
@@ -184,7 +186,7 @@ def serve(
         # engine, and the process then never exited.
         raise ValueError(f"port must be in 0..65535, got {port}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(config, served_model_name, data_parallel_size, model_info)
+    app = build_app(config, served_model_name, data_parallel_size, model_info, chat_options)
     uv = uvicorn.Config(
         app,
         host=host,

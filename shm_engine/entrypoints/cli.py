@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from shm_engine.entrypoints.cli_parser import OneLineParser, fail, int_in
+from shm_engine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -297,6 +298,7 @@ def cmd_serve(args) -> int:
     from shm_engine.model.loader import load_model_info
 
     config = serve_config(args)
+    chat = chat_options(args)
     # NOTE: mistakes the engine would find only once loaded, behind uvicorn's lifespan
     # traceback (exit 3), are one line and exit 2 here: too many replicas, a missing or
     # unreadable model, a context longer than the model's.
@@ -312,8 +314,22 @@ def cmd_serve(args) -> int:
         access_log=args.access_log,
         data_parallel_size=args.data_parallel_size,
         model_info=model,
+        chat_options=chat,
     )
     return 0
+
+
+def chat_options(args):
+    """serve's chat flags, checked: a template that does not compile fails here, in one line."""
+    from shm_engine.entrypoints.openai_server import ChatOptions
+    from shm_engine.model.tokenizer import check_chat_template
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.chat_template is not None:
+        check_chat_template(args.chat_template)
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    return ChatOptions(chat_template=args.chat_template, tool_call_parser=parser)
 
 
 def cmd_bench(args) -> int:
@@ -384,6 +400,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_in(1),
         default=1,
         help="engine replicas, each pinned to its share of the cores",
+    )
+    s.add_argument(
+        "--chat-template",
+        type=_text_or_file,
+        help="a Jinja chat template (or its file) instead of the model's own",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides to call tools, in the format of '
+        "--tool-call-parser",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes its tool calls (hermes: <tool_call>{json}</tool_call>)",
     )
     _engine_args(s)
     s.set_defaults(func=cmd_serve)

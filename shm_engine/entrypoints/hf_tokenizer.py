@@ -95,9 +95,8 @@ class HFStyleTokenizer:
         """HF's defaults: token ids (transformers 4's list; ``return_dict`` for the encoding
         transformers 5 returns by default), no generation prompt unless asked for; a list of
         conversations gives a list (with ``return_tensors``, of one length, as HF asks)."""
-        if tools:
-            raise ValueError("tools are not supported")
         options = dict(
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=chat_template,

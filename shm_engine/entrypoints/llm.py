@@ -142,8 +142,12 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's own chat template (with its default system prompt) and generate."""
+        """Apply the model's own chat template (with its default system prompt) and generate.
+
+        ``tools``: OpenAI's tool objects, for a template that shows them to the model (the
+        calls it writes are its text; the server's tool_choice is what parses them)."""
         extra = template_kwargs(chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [
@@ -157,6 +161,7 @@ class LLM:
                     add_generation_prompt,  # with continue_final_message: ValueError (vLLM)
                     chat_template,
                     continue_final_message=continue_final_message,
+                    tools=tools,
                     **extra,
                 )
                 for conv in conversations

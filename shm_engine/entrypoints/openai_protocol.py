@@ -10,6 +10,7 @@ clients written for vLLM work unchanged. Range checks live in SamplingParams
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
@@ -17,6 +18,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shm_engine.entrypoints.tool_calls import ToolUse
 from shm_engine.model.tokenizer import template_kwargs, text_parts
 from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -48,7 +50,6 @@ _IGNORED_CONSTRAINT_FIELDS = frozenset(
 _CONSTRAINT_FLAGS_OFF = frozenset({"disable_additional_properties"})
 _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (),
-    "continue_final_message": (False,),
     "echo": (False,),
     "add_special_tokens": (False,),
     "documents": ([],),
@@ -122,13 +123,28 @@ class _SamplingFields(BaseModel):
             raise ValueError("cache_salt must be a non-empty string if given")
 
     def _sampling(
-        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any]
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: Mapping[str, Any],
+        tools: ToolUse | None = None,
     ) -> SamplingParams:
         """Build SamplingParams; raises ValueError (-> 400) for out-of-range values.
 
         ``defaults``: the model's values (generation_config.json) for temperature, top_p,
-        top_k, min_p and repetition_penalty, taken where the request leaves them unset (vLLM)."""
+        top_k, min_p and repetition_penalty, taken where the request leaves them unset (vLLM).
+        ``tools``: a chat request's tool use, which may constrain the output."""
         self._check_unsupported()
+        constraint = self._structured_outputs()
+        if tools is not None and (tool_constraint := tools.constraint()) is not None:
+            if constraint is not None:
+                raise ValueError(
+                    "a required or named tool_choice constrains the output itself: it excludes "
+                    "response_format and structured_outputs"
+                )
+            constraint = tool_constraint
+        # NOTE: the auto parser's tags may be special tokens (Hermes'): it must see them (vLLM).
+        skip_special = self.skip_special_tokens and not (tools is not None and tools.mode == "auto")
 
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else defaults.get(name, fallback)
@@ -156,10 +172,10 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=skip_special,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs,
-            structured_outputs=self._structured_outputs(),
+            structured_outputs=constraint,
             logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids or None,  # [] limits nothing
             bad_words=list(self.bad_words or []),
@@ -284,18 +300,92 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(BaseModel):
+    """A call an earlier assistant turn made (sent back with the tool's answer)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def template_content(self) -> str | list[dict[str, str]]:
         """The content as the chat template takes it: a string or checked text parts."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return text_parts([p.model_dump() for p in self.content])
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' conventions): "developer" is
+        "system", and a call's arguments are an object, as templates print them with tojson
+        (vLLM parses them the same way)."""
+        # "developer" is the newer name of "system"; chat templates know only the latter.
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.template_content()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                 "arguments": _json_arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        return message
+
+
+def _json_arguments(text: str) -> Any:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except ValueError:
+        raise ValueError(f"a tool call's arguments are not JSON: {text[:80]!r}") from None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the arguments always follow the schema here
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: _FunctionName
+
+
+# OpenAI's limit of tools a request.
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -309,8 +399,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Unset: true, unless the final message is continued (vLLM needs false set then).
+    add_generation_prompt: bool | None = None
+    # vLLM's: the answer goes on with the final message (an assistant's prefill) instead of
+    # starting a new one.
+    continue_final_message: bool = False
     # vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -323,9 +419,43 @@ class ChatCompletionRequest(_SamplingFields):
         """chat_template_kwargs, refusing names the server sets itself."""
         return template_kwargs(self.chat_template_kwargs)
 
-    def sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template adds the header that starts the assistant's answer."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+    def tool_use(self, auto_parser: str | None = None) -> ToolUse | None:
+        """What the tools ask for (None: no tools); ValueError (-> 400) for a choice that
+        cannot be served. ``auto_parser``: the server's parser of the model's own calls (serve
+        --tool-call-parser); without one, "auto" is refused, as vLLM refuses it."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise ValueError("tool_choice needs tools")
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have different names")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, not in tools")
+            return ToolUse("named", tools, name=choice.function.name)
+        mode = choice or "auto"
+        if mode == "auto" and auto_parser is None:
+            raise ValueError(
+                'tool_choice "auto" (the default with tools) needs a server started with '
+                "--enable-auto-tool-choice --tool-call-parser; "
+                'use "required", "none" or a named function'
+            )
+        return ToolUse(mode, tools, parallel=self.parallel_tool_calls, parser=auto_parser)
+
+    def sampling_params(
+        self, defaults: Mapping[str, Any] = _NO_DEFAULTS, tools: ToolUse | None = None
+    ) -> SamplingParams:
+        """``tools``: this request's tool_use(), whose constraint applies to the output."""
         self.template_kwargs()  # refused names: a 400 before any work
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
@@ -335,14 +465,28 @@ class ChatCompletionRequest(_SamplingFields):
                 self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens")
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, defaults)
+        return self._sampling(max_tokens, logprobs, defaults, tools)
 
     def conversation(self) -> list[dict[str, Any]]:
-        # "developer" is the newer name of "system"; chat templates know only the latter.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.template_content()}
-            for m in self.messages
-        ]
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates read them (OpenAI's objects, as transformers passes)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def template_chars(self) -> int:
+        """About how much text the chat template renders: a long render leaves the event loop.
+
+        NOTE: every message costs template work, empty or not (300k empty ones: 2 s inline).
+        """
+        chars = 0
+        for m in self.messages:
+            chars += 32 + sum(len(c.function.arguments) for c in m.tool_calls or ())
+            if isinstance(m.content, str):
+                chars += len(m.content)
+            elif m.content:
+                chars += sum(len(p.text or "") for p in m.content)
+        return chars + sum(len(t.model_dump_json()) for t in self.tools or ())
 
 
 class _AnyObject(msgspec.Struct):
@@ -353,6 +497,7 @@ class _BodyShape(msgspec.Struct):
     """The lists of a request body whose length alone can refuse it."""
 
     messages: list[_AnyObject] | None = None
+    tools: list[_AnyObject] | None = None
     stop: str | list[msgspec.Raw] | None = None
     stop_token_ids: list[msgspec.Raw] | None = None
     allowed_token_ids: list[msgspec.Raw] | None = None
@@ -364,7 +509,7 @@ _BODY_SHAPE = msgspec.json.Decoder(_BodyShape)
 
 
 def screen_counts(body: bytes) -> dict[str, int] | None:
-    """The lengths of a request body's lists (``messages``, ``stop``, ``stop_token_ids``,
+    """The lengths of a request body's lists (``messages``, ``tools``, ``stop``, ``stop_token_ids``,
     ``allowed_token_ids``, ``bad_words``, ``logit_bias``), counted without validating it: 300k
     messages took 60 ms here where pydantic took 2 s, and 2.5M stop strings 15 s, all of it
     holding the event loop (and the GIL, so a thread would not help). None when the body has
@@ -376,8 +521,10 @@ def screen_counts(body: bytes) -> dict[str, int] | None:
         return None
     counts = {
         name: len(getattr(shape, name) or ())
-        for name in ("messages", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias")
-    }
+        for name in (
+            "messages", "tools", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias"
+        )
+    }  # fmt: skip
     counts["stop"] = 1 if isinstance(shape.stop, str) else len(shape.stop or ())
     return counts
 

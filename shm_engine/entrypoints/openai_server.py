@@ -46,17 +46,27 @@ from shm_engine.entrypoints.openai_logprobs import (
     vllm_prompt_logprobs,
 )
 from shm_engine.entrypoints.openai_protocol import (
+    MAX_TOOLS,
     ChatCompletionRequest,
     CompletionRequest,
     screen_counts,
 )
 from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
+from shm_engine.entrypoints.tool_calls import ToolCallReader, ToolUse, finish_reason, whole_calls
 from shm_engine.sampling_params import LIST_CAPS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
 _SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the server renders chats and reads tool calls (serve's flags)."""
+
+    chat_template: str | None = None  # instead of the model's own
+    tool_call_parser: str | None = None  # reads the calls of tool_choice "auto"; None: refused
 
 
 # --------------------------------------------------------------------------- per-request state
@@ -70,6 +80,7 @@ class _Choice:
     text_bytes_sent: int = 0  # UTF-8 length of the text sent; kept only with logprobs
     done: bool = False
     lp: LogprobCursor = field(default_factory=LogprobCursor)
+    tools: ToolCallReader | None = None  # reads tool calls out of a chat choice's text
 
 
 @dataclass
@@ -145,8 +156,15 @@ INLINE_TOKENIZE_CHARS = 2048
 class OpenAIServer:
     """Turns OpenAI requests into AsyncLLM requests and outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncLLM, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        metrics: ServerMetrics,
+        model_name: str,
+        chat: ChatOptions | None = None,
+    ) -> None:
         self.engine = engine
+        self.chat_options = chat or ChatOptions()
         self.metrics = metrics
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -168,7 +186,7 @@ class OpenAIServer:
         counts = screen_counts(body)
         if counts is None:
             return None
-        for name, cap in LIST_CAPS.items():
+        for name, cap in {**LIST_CAPS, "tools": MAX_TOOLS}.items():
             if counts[name] > cap:
                 return f"{name} takes at most {cap} entries, got {counts[name]}"
         limit, messages = self.engine.max_model_len, counts["messages"]
@@ -230,12 +248,13 @@ class OpenAIServer:
             return [self._tokenize(text, True, in_thread=False) for text in texts]
         return await asyncio.to_thread(self._tokenize_all, texts)
 
-    def _render_chat(
-        self, req: ChatCompletionRequest, conversation: list[dict[str, Any]], in_thread: bool
-    ) -> tuple[str, list[int]]:
+    def _render_chat(self, req: ChatCompletionRequest, in_thread: bool) -> tuple[str, list[int]]:
         text = self.tokenizer.apply_chat_template(
-            conversation,
-            add_generation_prompt=req.add_generation_prompt,
+            req.conversation(),
+            add_generation_prompt=req.generation_prompt,
+            chat_template=self.chat_options.chat_template,
+            continue_final_message=req.continue_final_message,
+            tools=req.template_tools(),
             **req.template_kwargs(),
         )
         return text, self._tokenize(text, False, in_thread)
@@ -279,12 +298,10 @@ class OpenAIServer:
         self, req: ChatCompletionRequest, params: SamplingParams
     ) -> _Prompt:
         """The templated prompt; a long conversation is rendered and tokenized in a thread."""
-        conversation = req.conversation()
-        # NOTE: every message costs template work, empty or not (300k empty ones: 2 s inline).
-        if sum(len(m["content"]) + 32 for m in conversation) <= INLINE_TOKENIZE_CHARS:
-            text, ids = self._render_chat(req, conversation, in_thread=False)
+        if req.template_chars() <= INLINE_TOKENIZE_CHARS:
+            text, ids = self._render_chat(req, in_thread=False)
         else:
-            text, ids = await asyncio.to_thread(self._render_chat, req, conversation, True)
+            text, ids = await asyncio.to_thread(self._render_chat, req, True)
         params = self._fit_default_max_tokens(req, ids, params)
         self.engine.check_prompt(ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -383,15 +400,30 @@ class OpenAIServer:
                 "stop_reason": c.stop_reason if finish else None}  # fmt: skip
 
     def _chat_delta(
-        self, c: CompletionOutput, st: _Choice, hold: int, params: SamplingParams
+        self,
+        c: CompletionOutput,
+        st: _Choice,
+        hold: int,
+        params: SamplingParams,
+        tools: ToolUse | None,
     ) -> dict[str, Any] | None:
         """A streamed chat choice, or None: nothing new."""
         step = self._next_delta(c, st, hold, params, chat=True)
         if step is None:
             return None
-        delta, finish, lp = step
-        content = {"content": delta} if delta else {}
-        return {"index": c.index, "delta": content, "logprobs": lp, "finish_reason": finish,
+        text, finish, lp = step
+        delta: dict[str, Any] = {}
+        if st.tools is not None:
+            text, calls = st.tools.feed(text, finish is not None)
+            if calls:
+                delta["tool_calls"] = [call.to_openai() for call in calls]
+            if finish is not None:
+                finish = finish_reason(tools, st.tools, finish)
+        if text:
+            delta["content"] = text
+        if not delta and finish is None and lp is None:
+            return None  # text a tool call reader holds back
+        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
                 "stop_reason": c.stop_reason if finish else None}  # fmt: skip
 
     # ------------------------------------------------------------------ completions
@@ -525,10 +557,11 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_alive()
-        params = req.sampling_params(self.engine.sampling_defaults)
+        tools = req.tool_use(self.chat_options.tool_call_parser)
+        params = req.sampling_params(self.engine.sampling_defaults, tools)
         prompt = await self._prompt_from_chat(req, params)
         if req.stream:
-            return SSEResponse(self._stream_chat(req, prompt), self._start([prompt]))
+            return SSEResponse(self._stream_chat(req, prompt, tools), self._start([prompt]))
         (handle,) = self._start([prompt])
         try:
             await until_disconnect(raw, self._collect([prompt]))
@@ -542,12 +575,21 @@ class OpenAIServer:
                 skip = params.skip_special_tokens
                 end = len(c.token_ids)
                 lp = self.logprobs.chat(c, end, LogprobCursor(), skip, params.logprobs)
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = _finish_reason(c)
+            reader = tools.reader() if tools is not None else None
+            if reader is not None:
+                content, calls = reader.feed(c.text, finished=True)
+                if calls:
+                    message["tool_calls"] = whole_calls(calls)
+                message["content"] = content if content.strip() or not calls else None
+                finish = finish_reason(tools, reader, finish or "stop")
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": lp,
-                    "finish_reason": _finish_reason(c),
+                    "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -563,7 +605,9 @@ class OpenAIServer:
             body["prompt_logprobs"] = vllm_prompt_logprobs(prompt.final.prompt_logprobs)
         return JSONResponse(body)
 
-    async def _stream_chat(self, req: ChatCompletionRequest, p: _Prompt) -> AsyncIterator[bytes]:
+    async def _stream_chat(
+        self, req: ChatCompletionRequest, p: _Prompt, tools: ToolUse | None
+    ) -> AsyncIterator[bytes]:
         created = int(time.time())
         params = p.params
         hold = params.stop_holdback
@@ -580,12 +624,15 @@ class OpenAIServer:
               "finish_reason": None} for j in range(params.n)]
         )  # fmt: skip
         try:
-            p.choices = [_Choice() for _ in range(params.n)]
+            p.choices = [
+                _Choice(tools=tools.reader() if tools is not None else None)
+                for _ in range(params.n)
+            ]
             async for out in self._run(p):
                 choices = [
                     d
                     for c in out.outputs
-                    if (d := self._chat_delta(c, p.choices[c.index], hold, params))
+                    if (d := self._chat_delta(c, p.choices[c.index], hold, params, tools))
                 ]
                 data = chunk(choices) if choices else b""
                 if role is not None:

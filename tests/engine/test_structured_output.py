@@ -9,6 +9,7 @@ import time
 import types
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from model.conftest import tiny_config, tiny_weights
@@ -347,3 +348,35 @@ def test_allowed_tokens_that_min_tokens_would_all_mask_are_refused_at_add() -> N
     got = run(core)["ok"]["ids"]
     assert set(got) <= {7, 9} and len(got) == 5
     core.shutdown()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_required_tool_choice_gives_calls_the_server_reads(parallel: bool) -> None:
+    """The chat API's tool_choice "required" constraint (tool_calls.py) compiles, and what
+    random weights write under it reads back as calls of the given tools."""
+    from shm_engine.entrypoints.tool_calls import ToolUse, whole_calls
+
+    tools = [
+        {"type": "function", "function": {"name": "pick", "parameters": SCHEMA}},
+        {"type": "function", "function": {"name": "now"}},
+    ]
+    use = ToolUse("required", tools, parallel=parallel)
+    # (random weights wander through JSON's optional whitespace: none, to finish in time)
+    so = msgspec.structs.replace(use.constraint(), disable_any_whitespace=True)
+    core = make_core()
+    for seed in range(3):
+        submit(core, f"r{seed}", so, max_tokens=300, temperature=1.0, seed=seed)
+    got = run(core)
+    core.shutdown()
+    for r in got.values():
+        content, deltas = use.reader().feed(text(r["ids"]), finished=True)  # type: ignore[union-attr]
+        calls = whole_calls(deltas)
+        assert len(calls) >= 1 and (parallel or len(calls) == 1)
+        # an array of calls may go on to the length limit: the call it cut stays content
+        assert content == "" if r["finish"] == "stop" else content[:1] in ("", "{")
+        for call in calls:
+            args = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "pick":
+                assert set(args) == {"kind", "n", "ok"}
+            else:
+                assert call["function"]["name"] == "now" and args == {}

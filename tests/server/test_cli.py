@@ -166,6 +166,32 @@ def test_serve_passes_the_speculative_settings_to_the_engine() -> None:
     )  # fmt: skip
 
 
+def test_serve_chat_flags_are_checked_before_the_engine_starts(tmp_path) -> None:
+    parser = cli.build_parser()
+
+    def options(*argv: str):
+        return cli.chat_options(parser.parse_args(["serve", *argv]))
+
+    assert options() == cli_chat_options()
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    auto = options("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                   "--chat-template", str(template))  # fmt: skip
+    assert auto == cli_chat_options("{{ messages[0].content }}", "hermes")
+    # a parser alone reads nothing: "auto" stays refused, as in vLLM
+    assert options("--tool-call-parser", "hermes").tool_call_parser is None
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        options("--enable-auto-tool-choice")
+    with pytest.raises(ValueError, match="does not compile"):
+        options("--chat-template", "{% for m in messages %}")
+
+
+def cli_chat_options(template: str | None = None, parser: str | None = None):
+    from shm_engine.entrypoints.openai_server import ChatOptions
+
+    return ChatOptions(chat_template=template, tool_call_parser=parser)
+
+
 def test_structured_output_flags_become_the_requests_constraint(tmp_path) -> None:
     from shm_engine.sampling_params import StructuredOutputsParams as S
 

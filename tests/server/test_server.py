@@ -159,6 +159,68 @@ def test_structured_outputs(client: openai.OpenAI, model: str) -> None:
     assert all(t.logprob >= -9999.0 for e in r.choices[0].logprobs.content for t in e.top_logprobs)
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 24},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+
+
+def test_tool_calls(client: openai.OpenAI, model: str) -> None:
+    """A named and a required tool_choice give calls the official client parses (SmolLM2's
+    template does not show tools: the constraint alone shapes the calls)."""
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=60, temperature=0, tools=TOOLS, tool_choice=named
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and "Paris" in args["city"]
+    stream = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=60, temperature=0, tools=TOOLS, tool_choice=named,
+        stream=True,
+    )  # fmt: skip
+    deltas = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    r = client.chat.completions.create(
+        model=model,
+        messages=ask,
+        max_tokens=60,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    # the conversation goes on with the call and its result
+    turns = [*ask, r.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]  # fmt: skip
+    r = client.chat.completions.create(
+        model=model, messages=turns, max_tokens=8, temperature=0, tools=TOOLS, tool_choice="none"
+    )
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
 def test_logit_bias_allowed_token_ids_and_bad_words(client: openai.OpenAI, model: str) -> None:
     kw = dict(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
     plain = client.completions.create(**kw)
@@ -378,6 +440,11 @@ def test_n_seed_stop_logprobs(client: openai.OpenAI, model: str) -> None:
         ("/v1/completions", {"prompt": "hi " * 600}, "context length"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "context length"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS},
+            "--enable-auto-tool-choice",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ],

@@ -53,12 +53,10 @@ def test_invalid_values_raise_value_error(kw: dict) -> None:
         CompletionRequest(prompt="x", **kw).sampling_params()
 
 
-def test_chat_rejects_top_logprobs_without_logprobs_and_tools() -> None:
+def test_chat_rejects_top_logprobs_without_logprobs() -> None:
     msgs = [{"role": "user", "content": "x"}]
     with pytest.raises(ValueError, match="top_logprobs"):
         ChatCompletionRequest(messages=msgs, top_logprobs=2).sampling_params()
-    with pytest.raises(ValueError, match="tools"):
-        ChatCompletionRequest(messages=msgs, tools=[{"type": "function"}]).sampling_params()
 
 
 def test_holdback_covers_the_longest_stop_string_but_one() -> None:

@@ -1,0 +1,305 @@
+"""Tool calls of the chat API (OpenAI's ``tools`` and ``tool_choice``), served as vLLM serves them.
+
+- ``none``: the tools are shown to the chat template only; the answer is text.
+- A named function (``{"type": "function", "function": {"name": ...}}``): the output is
+  constrained (structured outputs) to a JSON object of that function's parameters, and becomes
+  one call of it.
+- ``required``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects,
+  each naming one of the tools (one element only without ``parallel_tool_calls``); each element
+  becomes a call.
+- ``auto``: the model decides, in its own format, which a parser chosen at ``serve
+  --tool-call-parser`` finds in the text: ``hermes`` reads ``<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`` (Hermes, Qwen2.5, SmolLM3 and others).
+
+A ``ToolCallReader`` turns one choice's text into the content and the calls to send, as the text
+streams in (or whole: one call with ``finished``); text it cannot read as a call stays content,
+so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from shm_engine.sampling_params import StructuredOutputsParams
+
+ToolChoiceMode = Literal["none", "auto", "required", "named"]
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of a tool call for the client: its first piece carries the id and the name,
+    later ones more of the arguments (the JSON text, in order)."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"arguments": self.arguments}
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"], out["type"] = self.id, "function"
+            function["name"] = self.name
+        out["function"] = function
+        return out
+
+
+def whole_calls(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """The deltas of a whole answer joined into its calls (OpenAI's ``message.tool_calls``)."""
+    calls: list[dict[str, Any]] = []
+    for d in deltas:
+        if d.id is not None:
+            calls.append({"id": d.id, "type": "function",
+                          "function": {"name": d.name, "arguments": d.arguments}})  # fmt: skip
+        else:
+            calls[d.index]["function"]["arguments"] += d.arguments
+    return calls
+
+
+class ToolCallReader(Protocol):
+    """Reads one choice's text, delta by delta."""
+
+    calls: int  # tool calls started so far
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        """The content to send and the call pieces read from ``delta`` (text may be held back
+        until it is known not to start a call); ``finished`` flushes everything."""
+        ...
+
+
+@dataclass
+class ToolUse:
+    """What a chat request's tools ask of the server (``ChatCompletionRequest.tool_use``)."""
+
+    mode: ToolChoiceMode
+    tools: list[dict[str, Any]]  # OpenAI's tool objects: {"type": "function", "function": {...}}
+    name: str | None = None  # the named function
+    parallel: bool = True
+    parser: str | None = None  # the auto mode's
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output's constraint: the named function's parameters, or the array of calls."""
+        if self.mode == "named":
+            (function,) = (f for f in self._functions() if f["name"] == self.name)
+            return StructuredOutputsParams(json=_parameters(function))
+        if self.mode == "required":
+            return StructuredOutputsParams(json=self._array_schema())
+        return None
+
+    def reader(self) -> ToolCallReader | None:
+        """A new reader for one choice's text; None when the text is plain content."""
+        if self.mode == "named":
+            assert self.name is not None
+            return NamedCallReader(self.name)
+        if self.mode == "required":
+            return CallArrayReader()
+        if self.mode == "auto":
+            return HermesReader()
+        return None
+
+    def _functions(self) -> list[dict[str, Any]]:
+        return [t["function"] for t in self.tools]
+
+    def _array_schema(self) -> dict[str, Any]:
+        # NOTE: each tool's $defs move to the array schema's root, where their "#/$defs/..."
+        # references point once the parameters are nested inside it (vLLM does the same).
+        defs: dict[str, Any] = {}
+        variants = []
+        for function in self._functions():
+            params = dict(_parameters(function))
+            for key, value in params.pop("$defs", {}).items():
+                if key in defs and defs[key] != value:
+                    raise ValueError(f"tools define $defs/{key} twice, differently")
+                defs[key] = value
+            variants.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [function["name"]]},
+                        "parameters": params,
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        return schema
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameter schema. None means it takes no arguments: an empty object, with
+    no room for made-up ones (a small model had filled an open object to the length limit)."""
+    return function.get("parameters") or _NO_PARAMETERS
+
+
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _arguments_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+class NamedCallReader:
+    """The whole output is the arguments of one call to the named function, streamed as is."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        if self.calls == 0:
+            self.calls = 1
+            return "", [ToolCallDelta(0, delta, self.name, _call_id())]
+        return "", [ToolCallDelta(0, delta)] if delta else []
+
+
+class CallArrayReader:
+    """A JSON array of ``{"name", "parameters"}`` objects (the ``required`` constraint's
+    output): each element becomes a call once it is complete. The constraint holds the text to
+    the array's grammar; an element a length limit cut short is sent as content."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._text = ""
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._start = -1  # where the element being read starts
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        self._text += delta
+        out: list[ToolCallDelta] = []
+        for i in range(self._scanned, len(self._text)):
+            ch = self._text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._start = i
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 1 and ch == "}":
+                    out.append(self._element(self._text[self._start : i + 1]))
+                    self._start = -1
+        self._scanned = len(self._text)
+        if finished and self._start >= 0:
+            return self._text[self._start :], out
+        return "", out
+
+    def _element(self, text: str) -> ToolCallDelta:
+        element = json.loads(text)
+        index, self.calls = self.calls, self.calls + 1
+        return ToolCallDelta(
+            index, _arguments_text(element["parameters"]), element["name"], _call_id()
+        )
+
+
+_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+
+
+class HermesReader:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among the text.
+
+    Content streams until a block starts (a tail that could begin ``<tool_call>`` waits for
+    the next delta); a block is sent as one call once it closes, or at the end of the output
+    (a model may stop before the closing tag). A block that is not such JSON stays content, as
+    written. Whitespace between and after calls is dropped.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._pending = ""
+        self._in_call = False
+        self._gap = ""  # whitespace after a call, sent only if more text follows
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        self._pending += delta
+        content: list[str] = []
+        out: list[ToolCallDelta] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(_HERMES_END)
+                if end < 0 and not finished:
+                    break
+                body = self._pending if end < 0 else self._pending[:end]
+                self._pending = "" if end < 0 else self._pending[end + len(_HERMES_END) :]
+                self._in_call = False
+                call = self._call(body)
+                if call is None:
+                    closing = _HERMES_END if end >= 0 else ""
+                    content.append(self._text(_HERMES_START + body + closing))
+                else:
+                    out.append(call)
+                continue
+            start = self._pending.find(_HERMES_START)
+            if start >= 0:
+                content.append(self._text(self._pending[:start]))
+                self._pending = self._pending[start + len(_HERMES_START) :]
+                self._in_call = True
+                continue
+            keep = 0 if finished else _partial_tag(self._pending, _HERMES_START)
+            content.append(self._text(self._pending[: len(self._pending) - keep]))
+            self._pending = self._pending[len(self._pending) - keep :]
+            break
+        return "".join(content), out
+
+    def _text(self, text: str) -> str:
+        """Content to send: after a call, whitespace waits until text follows it."""
+        if not self.calls:
+            return text
+        self._gap += text
+        if not self._gap.strip():
+            return ""
+        text, self._gap = self._gap, ""
+        return text
+
+    def _call(self, body: str) -> ToolCallDelta | None:
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if not isinstance(arguments, str):  # some models write the arguments' JSON as a string
+            arguments = _arguments_text(arguments)
+        index, self.calls = self.calls, self.calls + 1
+        return ToolCallDelta(index, arguments, call["name"], _call_id())
+
+
+def finish_reason(use: ToolUse | None, reader: ToolCallReader | None, reason: str) -> str:
+    """``tool_calls`` where the model ended its answer with calls it chose to make (auto,
+    required), as OpenAI and vLLM report it; a named call keeps ``stop``."""
+    if use is None or reader is None or use.mode == "named" or not reader.calls:
+        return reason
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (0: none)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
