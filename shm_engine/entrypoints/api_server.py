@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from shm_engine.engine.client import EngineDeadError
@@ -32,8 +32,11 @@ from shm_engine.entrypoints.openai_errors import APIError, error_response, to_ap
 from shm_engine.entrypoints.openai_protocol import (
     GENERATION_RESPONSES,
     HEALTH_RESPONSES,
+    TOKENIZER_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     without_validation_422,
 )
 from shm_engine.entrypoints.openai_server import ChatOptions, OpenAIServer
@@ -138,6 +141,21 @@ def build_app(
         except Exception as e:  # answered here: the generic handler would also log a traceback
             return api_error_response(e)
 
+    # vLLM's tokenizer endpoints. Served by HotRoutes too: its body limit and JSON checks.
+    @app.post("/tokenize", responses=TOKENIZER_RESPONSES)
+    async def tokenize(req: TokenizeRequest, raw: Request) -> Response:
+        try:
+            return JSONResponse(await server(raw).tokenize(req))
+        except Exception as e:
+            return api_error_response(e)
+
+    @app.post("/detokenize", responses=TOKENIZER_RESPONSES)
+    async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
+        try:
+            return JSONResponse(await server(raw).detokenize(req))
+        except Exception as e:
+            return api_error_response(e)
+
     @app.get("/v1/models")
     async def models(raw: Request) -> dict[str, Any]:
         return server(raw).models()
@@ -163,6 +181,8 @@ def build_app(
         {
             "/v1/completions": (CompletionRequest, completions),
             "/v1/chat/completions": (ChatCompletionRequest, chat),
+            "/tokenize": (TokenizeRequest, tokenize),
+            "/detokenize": (DetokenizeRequest, detokenize),
         },
         lambda status, message: error_response(status, message, "invalid_request_error"),
         screen=lambda path, body: app.state.server.screen_body(path, body),

@@ -388,20 +388,11 @@ class NamedToolChoice(BaseModel):
 MAX_TOOLS = 128
 
 
-class ChatCompletionRequest(_SamplingFields):
-    _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_UNSUPPORTED_FIELDS,
-        **_UNSUPPORTED_CHAT_FIELDS,
-    }
+class ChatTemplateFields(BaseModel):
+    """What the chat template renders (chat completions and /tokenize share it)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
     # Unset: true, unless the final message is continued (vLLM needs false set then).
     add_generation_prompt: bool | None = None
     # vLLM's: the answer goes on with the final message (an assistant's prefill) instead of
@@ -409,11 +400,6 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     # vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
-
-    @property
-    def max_tokens_unset(self) -> bool:
-        """The request left max_tokens to the server (a model default may then apply)."""
-        return self.max_tokens is None and self.max_completion_tokens is None
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, refusing names the server sets itself."""
@@ -425,6 +411,47 @@ class ChatCompletionRequest(_SamplingFields):
         if self.add_generation_prompt is None:
             return not self.continue_final_message
         return self.add_generation_prompt
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages or ()]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates read them (OpenAI's objects, as transformers passes)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def template_chars(self) -> int:
+        """About how much text the chat template renders: a long render leaves the event loop.
+
+        NOTE: every message costs template work, empty or not (300k empty ones: 2 s inline).
+        """
+        chars = 0
+        for m in self.messages or ():
+            chars += 32 + sum(len(c.function.arguments) for c in m.tool_calls or ())
+            if isinstance(m.content, str):
+                chars += len(m.content)
+            elif m.content:
+                chars += sum(len(p.text or "") for p in m.content)
+        return chars + sum(len(t.model_dump_json()) for t in self.tools or ())
+
+
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
+    _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_UNSUPPORTED_FIELDS,
+        **_UNSUPPORTED_CHAT_FIELDS,
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def max_tokens_unset(self) -> bool:
+        """The request left max_tokens to the server (a model default may then apply)."""
+        return self.max_tokens is None and self.max_completion_tokens is None
 
     def tool_use(self, auto_parser: str | None = None) -> ToolUse | None:
         """What the tools ask for (None: no tools); ValueError (-> 400) for a choice that
@@ -467,26 +494,38 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs, defaults, tools)
 
-    def conversation(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates read them (OpenAI's objects, as transformers passes)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the template first."""
 
-    def template_chars(self) -> int:
-        """About how much text the chat template renders: a long render leaves the event loop.
+    model_config = ConfigDict(extra="ignore")
 
-        NOTE: every message costs template work, empty or not (300k empty ones: 2 s inline).
-        """
-        chars = 0
-        for m in self.messages:
-            chars += 32 + sum(len(c.function.arguments) for c in m.tool_calls or ())
-            if isinstance(m.content, str):
-                chars += len(m.content)
-            elif m.content:
-                chars += sum(len(p.text or "") for p in m.content)
-        return chars + sum(len(t.model_dump_json()) for t in self.tools or ())
+    model: str | None = None
+    prompt: str | None = None
+    # Unset: true for a prompt, false for messages (the template writes the specials), as vLLM.
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is None:
+            return self.messages is None
+        return self.add_special_tokens
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text (special tokens included)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class _AnyObject(msgspec.Struct):
@@ -560,6 +599,14 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: _error("The model is not served here"),
     413: _error("The request body is too large"),
     503: _error("The engine is not running"),
+}
+
+# The answers of /tokenize and /detokenize.
+TOKENIZER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The token ids and their count, or the text"},
+    400: _error("Invalid parameters, or token ids out of the vocabulary"),
+    404: _error("The model is not served here"),
+    413: _error("The request body is too large"),
 }
 
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {

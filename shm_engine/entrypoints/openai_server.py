@@ -48,7 +48,10 @@ from shm_engine.entrypoints.openai_logprobs import (
 from shm_engine.entrypoints.openai_protocol import (
     MAX_TOOLS,
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     screen_counts,
 )
 from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
@@ -190,7 +193,7 @@ class OpenAIServer:
             if counts[name] > cap:
                 return f"{name} takes at most {cap} entries, got {counts[name]}"
         limit, messages = self.engine.max_model_len, counts["messages"]
-        if path != "/v1/chat/completions" or messages <= limit:
+        if path not in ("/v1/chat/completions", "/tokenize") or messages <= limit:
             return None
         return (
             f"This model's maximum context length is {limit} tokens, but the conversation has "
@@ -248,8 +251,8 @@ class OpenAIServer:
             return [self._tokenize(text, True, in_thread=False) for text in texts]
         return await asyncio.to_thread(self._tokenize_all, texts)
 
-    def _render_chat(self, req: ChatCompletionRequest, in_thread: bool) -> tuple[str, list[int]]:
-        text = self.tokenizer.apply_chat_template(
+    def _chat_text(self, req: ChatTemplateFields) -> str:
+        return self.tokenizer.apply_chat_template(
             req.conversation(),
             add_generation_prompt=req.generation_prompt,
             chat_template=self.chat_options.chat_template,
@@ -257,6 +260,9 @@ class OpenAIServer:
             tools=req.template_tools(),
             **req.template_kwargs(),
         )
+
+    def _render_chat(self, req: ChatCompletionRequest, in_thread: bool) -> tuple[str, list[int]]:
+        text = self._chat_text(req)
         return text, self._tokenize(text, False, in_thread)
 
     async def _prompts_from_completion(
@@ -647,6 +653,37 @@ class OpenAIServer:
         except Exception as e:
             yield _sse_error(e)
         yield _SSE_DONE
+
+    # ------------------------------------------------------------------ tokenizer endpoints
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt's (or a rendered chat's) token ids, of any length (the
+        count is what a client asks for), long ones in a worker thread."""
+        self.check_model(req.model)
+
+        def ids() -> list[int]:
+            text = self._chat_text(req) if req.prompt is None else req.prompt
+            return self.tokenizer.encode_batch([text], add_special_tokens=req.special_tokens)[0]
+
+        if req.template_chars() + len(req.prompt or "") <= INLINE_TOKENIZE_CHARS:
+            tokens = ids()
+        else:
+            tokens = await asyncio.to_thread(ids)
+        strs = [self.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len,
+                "tokens": tokens, "token_strs": strs}  # fmt: skip
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        self.check_model(req.model)
+        vocab = self.engine.client.ready.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of the vocabulary (size {vocab})", "tokens")
+        if len(req.tokens) <= INLINE_TOKENIZE_CHARS:
+            return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        text = await asyncio.to_thread(self.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
 
     # ------------------------------------------------------------------ misc endpoints
 

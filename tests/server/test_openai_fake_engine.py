@@ -672,6 +672,8 @@ def test_openapi_schema_documents_the_statuses_the_server_answers(fake) -> None:
         assert {"200", "400", "404", "503"} <= set(responses)
         ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.endswith("/ErrorResponse")
+    for path in ("/tokenize", "/detokenize"):
+        assert {"200", "400", "404", "413"} <= set(schema["paths"][path]["post"]["responses"])
     error = schema["components"]["schemas"]["ErrorInfo"]
     assert set(error["properties"]) == {"message", "type", "param", "code"}
     assert "HTTPValidationError" not in schema["components"]["schemas"]
@@ -942,3 +944,37 @@ def test_earlier_calls_and_continued_messages_reach_the_template(monkeypatch) ->
     assert seen[0][0].endswith("assistant: It is 18assistant: ")
     assert seen[1][0].endswith("tool: 18 Cassistant: It is 18")
     assert seen[2][0] == "<user|Paris?>"
+
+
+# ---------------------------------------------------------------------------- tokenizer endpoints
+
+
+def test_tokenize_counts_a_prompt_or_a_rendered_chat_of_any_length(monkeypatch) -> None:
+    engine = FakeEngine(max_model_len=16, tokenizer=tiny_tokenizer(TOOLS_TEMPLATE))
+    tok = engine.tokenizer
+    with serve_fake(monkeypatch, engine) as client:
+        long = f"{EMOJI} tokens past the context<|end|>" * 3
+        r = client.post("/tokenize", json={"prompt": long, "return_token_strs": True}).json()
+        assert r["tokens"] == tok.encode(long) and r["count"] == len(r["tokens"]) > 16
+        assert r["max_model_len"] == 16 and r["token_strs"][:2] == [
+            "ðŁ",
+            "ĺĢ",
+        ]  # the emoji's byte pairs
+        chat = {"messages": ASK, "tools": [WEATHER]}
+        r = client.post("/tokenize", json=chat).json()
+        text = "tools: get_weather\nuser: Paris?assistant: "
+        assert r["tokens"] == tok.encode(text, add_special_tokens=False) and r["token_strs"] is None
+        for bad in ({}, {"prompt": "a", "messages": ASK}):
+            r = client.post("/tokenize", json=bad)
+            assert r.status_code == 400 and "either prompt or messages" in r.text
+        assert client.post("/tokenize", json={"prompt": "a", "model": "x"}).status_code == 404
+
+
+def test_detokenize_gives_the_text_with_special_tokens(fake) -> None:
+    client, engine = fake
+    ids = engine.tokenizer.encode(f"a{EMOJI}<|end|>b", add_special_tokens=False)
+    r = client.post("/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": f"a{EMOJI}<|end|>b"}
+    r = client.post("/detokenize", json={"tokens": [1, 10**6]})
+    assert r.status_code == 400 and "token id 1000000 is out of the vocabulary" in r.text
+    assert client.post("/detokenize", json={"tokens": "ab"}).status_code == 400

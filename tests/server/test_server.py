@@ -91,6 +91,19 @@ def test_chat(client: openai.OpenAI, model: str) -> None:
     assert text == r.choices[0].message.content
 
 
+def test_tokenize_counts_what_generation_bills(server, client: openai.OpenAI, model: str) -> None:
+    """vLLM's /tokenize and /detokenize agree with the prompt tokens a request is billed."""
+    messages = [{"role": "user", "content": "Count me."}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    counted = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    assert counted["count"] == r.usage.prompt_tokens == len(counted["tokens"])
+    c = client.completions.create(model=model, prompt="Count me too.", max_tokens=1)
+    counted = httpx.post(server.url + "/tokenize", json={"prompt": "Count me too."}, timeout=30)
+    assert counted.json()["count"] == c.usage.prompt_tokens
+    back = httpx.post(server.url + "/detokenize", json={"tokens": counted.json()["tokens"]})
+    assert back.json()["prompt"].endswith("Count me too.")
+
+
 def test_structured_outputs(client: openai.OpenAI, model: str) -> None:
     schema = {
         "type": "object",
