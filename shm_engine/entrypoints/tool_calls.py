@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 from shm_engine.sampling_params import StructuredOutputsParams
 
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 def _call_id() -> str:
@@ -103,7 +103,7 @@ class ToolUse:
         if self.mode == "required":
             return CallArrayReader()
         if self.mode == "auto":
-            return HermesReader()
+            return Llama3JsonReader() if self.parser == "llama3_json" else HermesReader()
         return None
 
     def _functions(self) -> list[dict[str, Any]]:
@@ -166,23 +166,24 @@ class NamedCallReader:
         return "", [ToolCallDelta(0, delta)] if delta else []
 
 
-class CallArrayReader:
-    """A JSON array of ``{"name", "parameters"}`` objects (the ``required`` constraint's
-    output): each element becomes a call once it is complete. The constraint holds the text to
-    the array's grammar; an element a length limit cut short is sent as content."""
+class _ObjectScanner:
+    """Splits JSON text fed piece by piece into the objects that open at nesting ``level``
+    and the text around them (strings and their escapes skipped: braces in them are text)."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, level: int) -> None:
+        self.level = level
         self._text = ""
         self._scanned = 0
         self._depth = 0
         self._in_string = False
         self._escaped = False
-        self._start = -1  # where the element being read starts
+        self._start = -1  # where the object being read starts
+        self._outside = 0  # where the text around objects not yet returned starts
 
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+    def feed(self, delta: str) -> list[tuple[bool, str]]:
+        """(is an object, text) pieces completed by ``delta``, in order."""
         self._text += delta
-        out: list[ToolCallDelta] = []
+        out: list[tuple[bool, str]] = []
         for i in range(self._scanned, len(self._text)):
             ch = self._text[i]
             if self._in_string:
@@ -195,18 +196,38 @@ class CallArrayReader:
             elif ch == '"':
                 self._in_string = True
             elif ch in "[{":
-                self._depth += 1
-                if self._depth == 2:
+                if self._depth == self.level and ch == "{":
+                    out.append((False, self._text[self._outside : i]))
                     self._start = i
+                self._depth += 1
             elif ch in "]}":
                 self._depth -= 1
-                if self._depth == 1 and ch == "}":
-                    out.append(self._element(self._text[self._start : i + 1]))
-                    self._start = -1
+                if self._depth == self.level and self._start >= 0:
+                    out.append((True, self._text[self._start : i + 1]))
+                    self._start, self._outside = -1, i + 1
         self._scanned = len(self._text)
-        if finished and self._start >= 0:
-            return self._text[self._start :], out
-        return "", out
+        return out
+
+    def rest(self) -> str:
+        """The text after the last complete object: an incomplete one, or what surrounds."""
+        return self._text[self._start if self._start >= 0 else self._outside :]
+
+
+class CallArrayReader:
+    """A JSON array of ``{"name", "parameters"}`` objects (the ``required`` constraint's
+    output): each element becomes a call once it is complete. The constraint holds the text to
+    the array's grammar; an element a length limit cut short is sent as content."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._scanner = _ObjectScanner(level=1)
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        out = [self._element(text) for is_object, text in self._scanner.feed(delta) if is_object]
+        if not finished:
+            return "", out
+        rest = self._scanner.rest()  # a cut element, as written, or the array's closing
+        return rest if rest.startswith("{") else rest.strip(" \t\r\n,]"), out
 
     def _element(self, text: str) -> ToolCallDelta:
         element = json.loads(text)
@@ -214,6 +235,63 @@ class CallArrayReader:
         return ToolCallDelta(
             index, _arguments_text(element["parameters"]), element["name"], _call_id()
         )
+
+
+def _call_from_json(text: str, index: int) -> ToolCallDelta | None:
+    """A ``{"name": ..., "arguments" (or "parameters"): {...}}`` object as a call, or None."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, str):  # some models write the arguments' JSON as a string
+        arguments = _arguments_text(arguments)
+    return ToolCallDelta(index, arguments, call["name"], _call_id())
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonReader:
+    """Llama 3.1-3.3's JSON calls: an answer that starts with ``{`` (or ``<|python_tag|>``)
+    is ``{"name": ..., "parameters": {...}}`` objects, separated by ``;``; any other answer is
+    content. Each object is sent as a call once complete; one that is not a call, and text
+    around the objects, stays content.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._mode: Literal["undecided", "content", "calls"] = "undecided"
+        self._head = ""  # the answer's start, until it decides the mode
+        self._scanner = _ObjectScanner(level=0)
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        if self._mode == "undecided":
+            self._head += delta
+            head = self._head.lstrip()
+            if head.startswith(_PYTHON_TAG) or head.startswith("{"):
+                self._mode, delta = "calls", head.removeprefix(_PYTHON_TAG)
+            elif finished or (head and not _PYTHON_TAG.startswith(head)):
+                self._mode, delta = "content", self._head
+            else:
+                return "", []
+        if self._mode == "content":
+            return delta, []
+        content: list[str] = []
+        out: list[ToolCallDelta] = []
+        pieces = self._scanner.feed(delta)
+        if finished:
+            pieces.append((False, self._scanner.rest()))
+        for is_object, text in pieces:
+            call = _call_from_json(text, self.calls) if is_object else None
+            if call is not None:
+                self.calls += 1
+                out.append(call)
+            elif text.strip(" \t\r\n;"):
+                content.append(text)
+        return "".join(content), out
 
 
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
@@ -276,17 +354,9 @@ class HermesReader:
         return text
 
     def _call(self, body: str) -> ToolCallDelta | None:
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if not isinstance(arguments, str):  # some models write the arguments' JSON as a string
-            arguments = _arguments_text(arguments)
-        index, self.calls = self.calls, self.calls + 1
-        return ToolCallDelta(index, arguments, call["name"], _call_id())
+        call = _call_from_json(body, self.calls)
+        self.calls += call is not None
+        return call
 
 
 def finish_reason(use: ToolUse | None, reader: ToolCallReader | None, reason: str) -> str:

@@ -13,6 +13,7 @@ from shm_engine.entrypoints.openai_protocol import ChatCompletionRequest
 from shm_engine.entrypoints.tool_calls import (
     CallArrayReader,
     HermesReader,
+    Llama3JsonReader,
     NamedCallReader,
     ToolCallReader,
     ToolUse,
@@ -95,6 +96,8 @@ def test_an_array_cut_short_keeps_its_complete_calls_and_the_rest_as_content() -
     content, calls = read(CallArrayReader(), [cut])
     assert calls_of(calls) == [("get_weather", {"city": 'Pa}ri"s{', "unit": "C"})]
     assert content == cut[cut.rindex("{") :] == '{"name": "get_time", "'
+    inside = ARRAY[: ARRAY.index('"unit"')]  # ends with ", " within the first element
+    assert read(CallArrayReader(), [inside]) == (inside[1:], [])
 
 
 HERMES = (
@@ -137,6 +140,41 @@ def test_hermes_text_that_is_not_a_call_stays_content(text: str, content: str, c
     for pieces in ([text], list(text)):
         got_content, got_calls = read(HermesReader(), pieces)
         assert got_content == content and calls_of(got_calls) == calls
+
+
+LLAMA3 = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pa;ris}"}}; '
+    '{"name": "get_time", "parameters": {}}'
+)
+
+
+@given(st.lists(st.integers(min_value=0), max_size=12))
+def test_llama3_json_calls_read_the_same_in_any_pieces(cuts: list[int]) -> None:
+    content, calls = read(Llama3JsonReader(), split(" " + LLAMA3, cuts))
+    assert content == ""
+    assert calls_of(calls) == [("get_weather", {"city": "Pa;ris}"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("The weather is {fine}.", "The weather is {fine}.", []),
+        ("<|python", "<|python", []),
+        ('{"answer": 42}', '{"answer": 42}', []),  # JSON, not a call
+        ('{"name": "f", "arguments": {"a": 1}} and then', " and then", [("f", {"a": 1})]),
+        ('{"name": "f", "parameters": {"a": [1,', '{"name": "f", "parameters": {"a": [1,', []),
+    ],
+)
+def test_llama3_json_text_that_is_not_a_call_stays_content(text: str, content: str, calls) -> None:
+    for pieces in ([text], list(text)):
+        got_content, got_calls = read(Llama3JsonReader(), pieces)
+        assert got_content == content and calls_of(got_calls) == calls
+
+
+def test_the_auto_reader_is_the_servers_parser() -> None:
+    assert isinstance(ToolUse("auto", [WEATHER], parser="hermes").reader(), HermesReader)
+    assert isinstance(ToolUse("auto", [WEATHER], parser="llama3_json").reader(), Llama3JsonReader)
+    assert ToolUse("none", [WEATHER]).reader() is None
 
 
 def test_only_chosen_calls_that_ended_the_answer_finish_as_tool_calls() -> None:
