@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
-        help="how the model writes its tool calls (hermes: <tool_call>{json}</tool_call>)",
+        help="how the model writes its tool calls (hermes: <tool_call>{json}</tool_call>, "
+        "Qwen2.5 and Hermes; llama3_json: {json}; {json} ..., Llama 3.1-3.3)",
     )
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
