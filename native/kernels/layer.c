@@ -24,6 +24,16 @@ void shmk_llama_layer_forward(const shmk_layer_t *L, const shmk_step_t *S, float
     shmk_rmsnorm(hidden, NULL, L->input_norm, t, h, L->eps, S->normed);
     record_max(S->normed, t, h, m);
     lin(&L->qkv, S->normed, t, S->qkv, 0);
+    if (L->q_norm) {
+        /* Qwen3: each query and key head is RMS-normalised (in place) before RoPE; a token's
+         * heads are consecutive rows of d in its qkv row */
+        const int64_t stride = (L->hq + 2 * L->hk) * d;
+        for (int64_t i = 0; i < t; i++) {
+            float *q = S->qkv + i * stride, *k = q + hqd;
+            shmk_rmsnorm(q, NULL, L->q_norm, L->hq, d, L->eps, q);
+            shmk_rmsnorm(k, NULL, L->k_norm, L->hk, d, L->eps, k);
+        }
+    }
     shmk_rope_qkv(S->qkv, S->positions, t, L->hq, L->hk, d, S->cos_sin, S->max_pos);
     shmk_write_kv_qkv(S->qkv, S->slots, t, L->hq, kv);
     shmk_attention_impl(S->qkv, (L->hq + 2 * L->hk) * d, kv, S->block_table, S->max_blocks,

@@ -16,9 +16,12 @@ if TYPE_CHECKING:
     import torch
 
 # Architectures that share the Llama block (pre-norm, RMSNorm, GQA attention, SwiGLU MLP).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Qwen3 adds an RMSNorm over each query and key head before RoPE (qk_norm).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# The architectures whose sliding window follows Qwen2's rules (use_sliding_window, ...).
+_QWEN_ARCHS = ("qwen2", "qwen3")
 # what each supported rope_scaling kind reads (llama3's original context defaults, as in HF)
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
@@ -28,7 +31,7 @@ _ROPE_SCALING_KEYS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" (also SmolLM), "mistral" or "qwen2"
+    architecture: str  # "llama" (also SmolLM), "mistral", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -78,6 +81,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def qk_norm(self) -> bool:
+        """Queries and keys pass a per-head RMSNorm before RoPE (Qwen3's q_norm, k_norm)."""
+        return self.architecture == "qwen3"
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()
@@ -91,7 +99,7 @@ class ModelConfig:
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
@@ -176,9 +184,10 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that from_hf_config() parses back to an equal config."""
-        names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+        names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
         out: dict[str, Any] = {
-            "architectures": [names.get(self.architecture, "Qwen2ForCausalLM")],
+            "architectures": [names[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -202,7 +211,7 @@ class ModelConfig:
         }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
-            if self.architecture == "qwen2":
+            if self.architecture in _QWEN_ARCHS:
                 out["use_sliding_window"] = True
                 out["max_window_layers"] = 0  # every layer slides
         if self.rope_freq_factors is not None:
@@ -330,8 +339,9 @@ def _check_hf_features(cfg: Mapping[str, Any], arch: str) -> None:
     if cfg.get("mlp_bias"):
         raise NotImplementedError("mlp_bias=true (biases on the MLP projections) is not supported")
     if arch != "qwen2" and cfg.get("attention_bias"):
-        # Llama/Mistral put the bias on o_proj too; only Qwen2's q/k/v-only bias is computed.
-        raise NotImplementedError("attention_bias=true on a Llama/Mistral model is not supported")
+        # Llama/Mistral/Qwen3 put the bias on o_proj too; only Qwen2's q/k/v-only bias is
+        # computed.
+        raise NotImplementedError(f"attention_bias=true on a {arch} model is not supported")
 
 
 def _hf_sliding_window(cfg: Mapping[str, Any], arch: str, num_layers: int) -> int | None:
@@ -345,10 +355,10 @@ def _hf_sliding_window(cfg: Mapping[str, Any], arch: str, num_layers: int) -> in
     window = cfg.get("sliding_window")
     if arch == "llama" or not window:
         return None
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+    if arch in _QWEN_ARCHS and not cfg.get("use_sliding_window", False):
         return None
     kinds = cfg.get("layer_types")
-    if kinds is None and arch == "qwen2":
+    if kinds is None and arch in _QWEN_ARCHS:
         first = int(cfg.get("max_window_layers", 28))  # transformers' default
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
     kinds = set(kinds or ["sliding_attention"])

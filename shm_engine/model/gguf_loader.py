@@ -41,6 +41,8 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",

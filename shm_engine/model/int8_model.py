@@ -183,7 +183,10 @@ class Int8Llama:
         bias = None
         if self.config.attention_bias:
             bias = cat([f"self_attn.{n}_proj.bias" for n in "qkv"])
+        qk_norm = self.config.qk_norm
         return LayerWeights(
+            q_norm=own("self_attn.q_norm.weight") if qk_norm else None,
+            k_norm=own("self_attn.k_norm.weight") if qk_norm else None,
             input_norm=own("input_layernorm.weight"),
             post_norm=own("post_attention_layernorm.weight"),
             qkv=cat([f"self_attn.{n}_proj.weight" for n in "qkv"]),
@@ -214,6 +217,8 @@ class Int8Llama:
             eps=c.rms_norm_eps,
             input_norm=lw.input_norm,
             post_norm=lw.post_norm,
+            q_norm=lw.q_norm,
+            k_norm=lw.k_norm,
             qkv=pack(lw.qkv, lw.qkv_bias),
             o=pack(lw.o),
             gate_up=pack(lw.gate_up),

@@ -747,6 +747,7 @@ class LlamaLayer:
     """Packed weights of one Llama-family decoder layer for ``llama_layer_forward``.
 
     qkv rows are [q (hq*d) | k (hk*d) | v (hk*d)], gate_up rows are [gate (ffn) | up (ffn)].
+    ``q_norm``, ``k_norm`` [d]: Qwen3's RMSNorm of each query and key head before RoPE.
     """
 
     def __init__(
@@ -764,6 +765,8 @@ class LlamaLayer:
         o: PackedLinear,
         gate_up: PackedLinear,
         down: PackedLinear,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
     ):
         hq, hk, d = num_heads, num_kv_heads, head_dim
         if hq % hk:
@@ -779,11 +782,16 @@ class LlamaLayer:
                 raise TypeError(f"{name} must be a PackedLinear")
             if (lin.n, lin.k) != (n, k):
                 raise ValueError(f"{name} must be [{n}, {k}], got [{lin.n}, {lin.k}]")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
         norms = []
-        for name, t in (("input_norm", input_norm), ("post_norm", post_norm)):
+        named = [("input_norm", input_norm, hidden), ("post_norm", post_norm, hidden)]
+        if q_norm is not None:
+            named += [("q_norm", q_norm, d), ("k_norm", k_norm, d)]
+        for name, t, size in named:
             t = t.detach().to(torch.float32).contiguous()
             _check(t, name, torch.float32, 1)
-            _shape(t, name, (hidden,))
+            _shape(t, name, (size,))
             norms.append(t)
         self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn = (
             hidden,
@@ -793,11 +801,16 @@ class LlamaLayer:
             ffn,
         )
         self.eps = float(eps)
-        self.input_norm, self.post_norm = norms
+        self.input_norm, self.post_norm = norms[:2]
+        self.qk_norms = norms[2:]  # kept alive: the struct points into them
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         c = ffi.new("shmk_layer_t *")
         c.hidden, c.hq, c.hk, c.d, c.ffn, c.eps = hidden, hq, hk, d, ffn, self.eps
         c.input_norm, c.post_norm = _f32(norms[0]), _f32(norms[1])
+        if self.qk_norms:
+            c.q_norm, c.k_norm = _f32(norms[2]), _f32(norms[3])
+        else:
+            c.q_norm = c.k_norm = ffi.NULL
         c.qkv, c.o, c.gate_up, c.down = qkv._c[0], o._c[0], gate_up._c[0], down._c[0]
         self._c = c
 

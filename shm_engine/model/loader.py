@@ -147,6 +147,8 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names.append(f"{pre}self_attn.{proj}.weight")
             if config.attention_bias:
                 names.append(f"{pre}self_attn.{proj}.bias")
+        if config.qk_norm:
+            names += [pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"]
         names.append(pre + "self_attn.o_proj.weight")
         names.append(pre + "post_attention_layernorm.weight")
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -226,7 +228,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     by_suffix = {
         "embed_tokens.weight": (config.vocab_size, h),
         "lm_head.weight": (config.vocab_size, h),
-        "norm.weight": (h,),  # all three norms
+        "norm.weight": (h,),  # the layer norms and the final one
+        "q_norm.weight": (config.head_dim,),
+        "k_norm.weight": (config.head_dim,),
         "q_proj.weight": (q, h),
         "k_proj.weight": (kv, h),
         "v_proj.weight": (kv, h),
@@ -241,5 +245,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for name in expected_weight_names(config):
         key = ".".join(name.split(".")[-2:])  # e.g. "q_proj.weight", "input_layernorm.weight"
-        shapes[name] = by_suffix["norm.weight" if key.endswith("norm.weight") else key]
+        if key not in by_suffix and key.endswith("norm.weight"):
+            key = "norm.weight"
+        shapes[name] = by_suffix[key]
     return shapes

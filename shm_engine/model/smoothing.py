@@ -40,6 +40,10 @@ class LayerWeights:
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    # Qwen3's per-head norms of q and k [head_dim]; smoothing leaves them (it scales no q or k
+    # row, only v's and the input channels)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def factors(xmax: torch.Tensor, wmax: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:

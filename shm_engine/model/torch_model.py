@@ -60,6 +60,9 @@ class TorchLlama:
             q = self._linear(h, p + "self_attn.q_proj").view(-1, c.num_heads, c.head_dim)
             k = self._linear(h, p + "self_attn.k_proj").view(-1, c.num_kv_heads, c.head_dim)
             v = self._linear(h, p + "self_attn.v_proj").view(-1, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
+                k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self._write_kv(k, v, batch.slot_mapping, k_cache, v_cache)
             attn = self._attention(q, k_cache, v_cache, batch)

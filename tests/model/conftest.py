@@ -136,6 +136,8 @@ def tiny_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "self_attn.q_proj.bias": (c.q_size,),
             p + "self_attn.k_proj.bias": (c.kv_size,),
             p + "self_attn.v_proj.bias": (c.kv_size,),
+            p + "self_attn.q_norm.weight": (c.head_dim,),
+            p + "self_attn.k_norm.weight": (c.head_dim,),
             p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
             p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
@@ -170,6 +172,8 @@ _GGUF_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -197,6 +201,8 @@ def write_tiny_gguf(
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_dimension_count(config.head_dim)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
     w.add_vocab_size(config.vocab_size)
     meta = tiny_tokenizer_metadata()
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])

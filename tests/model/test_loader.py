@@ -123,8 +123,13 @@ def _assert_same_weights(a, b, exact: bool = True, atol: float = 0.0) -> None:  
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"tie_word_embeddings": False}, {"architecture": "qwen2", "attention_bias": True}],
-    ids=["llama-tied", "llama-untied", "qwen2-bias"],
+    [
+        {},
+        {"tie_word_embeddings": False},
+        {"architecture": "qwen2", "attention_bias": True},
+        {"architecture": "qwen3", "head_dim": 24},
+    ],
+    ids=["llama-tied", "llama-untied", "qwen2-bias", "qwen3-qknorm"],
 )
 def test_tiny_gguf_and_hf_paths_agree(tmp_path: Path, overrides: dict) -> None:
     config = tiny_config(**overrides)

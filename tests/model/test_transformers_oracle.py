@@ -62,6 +62,13 @@ VARIANTS: dict[str, tuple[str, dict, torch.dtype, str | None]] = {
         torch.bfloat16,
         "30KB",
     ),
+    # Per-head q/k norms, and a head_dim other than hidden / heads (Qwen3-0.6B: 128, not 1024 / 16).
+    "qwen3-qknorm-wide-heads-tied": (
+        "Qwen3ForCausalLM",
+        {"head_dim": 128, "tie_word_embeddings": True},
+        torch.float32,
+        None,
+    ),
     # A window smaller than SEQ_LEN, so the mask differs from causal past position 16.
     "mistral-sliding-window": (
         "MistralForCausalLM",
