@@ -87,6 +87,15 @@ def _text_or_file(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value}: {e}") from None
 
 
+def _template_or_file(value: str) -> str:
+    """A chat template inline, or the file it names; a value that looks like a path of no
+    file is refused (it would have become the template, every prompt that literal text)."""
+    text = _text_or_file(value)
+    if text is value and not any(c in value for c in "{}\n"):
+        raise argparse.ArgumentTypeError(f"{value}: no such file, and not a Jinja template")
+    return text
+
+
 def _build_llm(args):
     from shm_engine import LLM
 
@@ -403,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--chat-template",
-        type=_text_or_file,
+        type=_template_or_file,
         help="a Jinja chat template (or its file) instead of the model's own",
     )
     s.add_argument(

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shm_engine.entrypoints.tool_calls import ToolUse
+from shm_engine.entrypoints.tool_calls import ToolUse, template_tool
 from shm_engine.model.tokenizer import template_kwargs, text_parts
 from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -143,8 +143,9 @@ class _SamplingFields(BaseModel):
                     "response_format and structured_outputs"
                 )
             constraint = tool_constraint
-        # NOTE: the auto parser's tags may be special tokens (Hermes'): it must see them (vLLM).
-        skip_special = self.skip_special_tokens and not (tools is not None and tools.mode == "auto")
+        # NOTE: where the auto parser's tags are special tokens it must see them (vLLM skips
+        # no special token then; here only where the model has the tags as such).
+        skip_special = self.skip_special_tokens and not (tools and tools.keeps_special_tokens)
 
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else defaults.get(name, fallback)
@@ -353,10 +354,12 @@ class ChatMessage(BaseModel):
 
 
 def _json_arguments(text: str) -> Any:
+    """The arguments as an object; text that is not JSON (a call cut by max_tokens) stays a
+    string, which templates test for (``arguments is string``)."""
     try:
         return json.loads(text) if text.strip() else {}
     except ValueError:
-        raise ValueError(f"a tool call's arguments are not JSON: {text[:80]!r}") from None
+        return text
 
 
 class FunctionDefinition(BaseModel):
@@ -417,7 +420,9 @@ class ChatTemplateFields(BaseModel):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates read them (OpenAI's objects, as transformers passes)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        if not self.tools:
+            return None
+        return [template_tool(t.model_dump(exclude_none=True)) for t in self.tools]
 
     def template_chars(self) -> int:
         """About how much text the chat template renders: a long render leaves the event loop.
@@ -453,10 +458,13 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
         """The request left max_tokens to the server (a model default may then apply)."""
         return self.max_tokens is None and self.max_completion_tokens is None
 
-    def tool_use(self, auto_parser: str | None = None) -> ToolUse | None:
+    def tool_use(
+        self, auto_parser: str | None = None, special_tags: bool = False
+    ) -> ToolUse | None:
         """What the tools ask for (None: no tools); ValueError (-> 400) for a choice that
         cannot be served. ``auto_parser``: the server's parser of the model's own calls (serve
-        --tool-call-parser); without one, "auto" is refused, as vLLM refuses it."""
+        --tool-call-parser); without one, "auto" is refused, as vLLM refuses it.
+        ``special_tags``: its tags are special tokens of the model."""
         choice = self.tool_choice
         if not self.tools:
             if choice not in (None, "none"):
@@ -477,7 +485,8 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
                 "--enable-auto-tool-choice --tool-call-parser; "
                 'use "required", "none" or a named function'
             )
-        return ToolUse(mode, tools, parallel=self.parallel_tool_calls, parser=auto_parser)
+        return ToolUse(mode, tools, parallel=self.parallel_tool_calls, parser=auto_parser,
+                       special_tags=special_tags)  # fmt: skip
 
     def sampling_params(
         self, defaults: Mapping[str, Any] = _NO_DEFAULTS, tools: ToolUse | None = None

@@ -55,7 +55,13 @@ from shm_engine.entrypoints.openai_protocol import (
     screen_counts,
 )
 from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
-from shm_engine.entrypoints.tool_calls import ToolCallReader, ToolUse, finish_reason, whole_calls
+from shm_engine.entrypoints.tool_calls import (
+    ToolCallReader,
+    ToolUse,
+    finish_reason,
+    parser_tags_special,
+    whole_calls,
+)
 from shm_engine.sampling_params import LIST_CAPS, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -168,6 +174,9 @@ class OpenAIServer:
     ) -> None:
         self.engine = engine
         self.chat_options = chat or ChatOptions()
+        self.parser_tags_special = parser_tags_special(
+            engine.tokenizer, self.chat_options.tool_call_parser
+        )
         self.metrics = metrics
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -563,7 +572,7 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_alive()
-        tools = req.tool_use(self.chat_options.tool_call_parser)
+        tools = req.tool_use(self.chat_options.tool_call_parser, self.parser_tags_special)
         params = req.sampling_params(self.engine.sampling_defaults, tools)
         prompt = await self._prompt_from_chat(req, params)
         if req.stream:

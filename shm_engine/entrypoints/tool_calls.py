@@ -26,7 +26,18 @@ from typing import Any, Literal, Protocol
 from shm_engine.sampling_params import StructuredOutputsParams
 
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# The auto parsers, and the tags each reads (special tokens in some vocabularies).
+PARSER_TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3_json": ("<|python_tag|>",)}
+TOOL_CALL_PARSERS = tuple(PARSER_TAGS)
+
+
+def parser_tags_special(tokenizer: Any, parser: str | None) -> bool:
+    """Whether the parser's tags are special tokens of ``tokenizer`` (skipped from the text
+    unless the request keeps special tokens, which then costs other specials' text leaking)."""
+    if parser is None:
+        return False
+    ids = (tokenizer.token_to_id(tag) for tag in PARSER_TAGS[parser])
+    return any(i is not None and i in tokenizer.all_special_ids for i in ids)
 
 
 def _call_id() -> str:
@@ -85,6 +96,7 @@ class ToolUse:
     name: str | None = None  # the named function
     parallel: bool = True
     parser: str | None = None  # the auto mode's
+    special_tags: bool = False  # the parser's tags are special tokens (see parser_tags_special)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The output's constraint: the named function's parameters, or the array of calls."""
@@ -103,29 +115,34 @@ class ToolUse:
         if self.mode == "required":
             return CallArrayReader()
         if self.mode == "auto":
-            return Llama3JsonReader() if self.parser == "llama3_json" else HermesReader()
+            reader = Llama3JsonReader() if self.parser == "llama3_json" else HermesReader()
+            return reader if self.parallel else FirstCallOnly(reader)
         return None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The auto parser's tags are special tokens of the model: the text must keep them."""
+        return self.mode == "auto" and self.special_tags
 
     def _functions(self) -> list[dict[str, Any]]:
         return [t["function"] for t in self.tools]
 
     def _array_schema(self) -> dict[str, Any]:
-        # NOTE: each tool's $defs move to the array schema's root, where their "#/$defs/..."
-        # references point once the parameters are nested inside it (vLLM does the same).
+        # NOTE: each tool's schema moves whole under the root's $defs, its local references
+        # rewritten to point there: nested as the parameters, a "#" (recursion), "#/$defs/.."
+        # or "#/definitions/.." would resolve against the array schema instead.
         defs: dict[str, Any] = {}
         variants = []
-        for function in self._functions():
-            params = dict(_parameters(function))
-            for key, value in params.pop("$defs", {}).items():
-                if key in defs and defs[key] != value:
-                    raise ValueError(f"tools define $defs/{key} twice, differently")
-                defs[key] = value
+        for i, function in enumerate(self._functions()):
+            key = f"tool_{i}"
+            params = _rebased(_parameters(function), f"#/$defs/{key}")
+            defs[key] = {k: v for k, v in params.items() if k not in ("$id", "$schema")}
             variants.append(
                 {
                     "type": "object",
                     "properties": {
                         "name": {"type": "string", "enum": [function["name"]]},
-                        "parameters": params,
+                        "parameters": {"$ref": f"#/$defs/{key}"},
                     },
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
@@ -134,15 +151,34 @@ class ToolUse:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
         if not self.parallel:
             schema["maxItems"] = 1
-        if defs:
-            schema["$defs"] = defs
+        schema["$defs"] = defs
         return schema
+
+
+def _rebased(node: Any, root: str) -> Any:
+    """A copy of a schema whose local references ("#...") point under ``root`` instead."""
+    if isinstance(node, dict):
+        return {
+            k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else _rebased(v, root)
+            for k, v in node.items()
+        }  # fmt: skip
+    if isinstance(node, list):
+        return [_rebased(v, root) for v in node]
+    return node
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     """A function's parameter schema. None means it takes no arguments: an empty object, with
     no room for made-up ones (a small model had filled an open object to the length limit)."""
-    return function.get("parameters") or _NO_PARAMETERS
+    return function.get("parameters") or dict(_NO_PARAMETERS)
+
+
+def template_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as chat templates read it: with the parameters it takes even when none were
+    given (templates print ``function.parameters | tojson``)."""
+    function = tool["function"]
+    return {**tool, "function": {**function, "parameters": _parameters(function)}}
 
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -246,9 +282,18 @@ def _call_from_json(text: str, index: int) -> ToolCallDelta | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
-    if not isinstance(arguments, str):  # some models write the arguments' JSON as a string
+    # some models write the arguments' JSON as a string: kept, if it is JSON
+    if not isinstance(arguments, str) or not _is_json(arguments):
         arguments = _arguments_text(arguments)
     return ToolCallDelta(index, arguments, call["name"], _call_id())
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -303,14 +348,14 @@ class HermesReader:
     Content streams until a block starts (a tail that could begin ``<tool_call>`` waits for
     the next delta); a block is sent as one call once it closes, or at the end of the output
     (a model may stop before the closing tag). A block that is not such JSON stays content, as
-    written. Whitespace between and after calls is dropped.
+    written. Whitespace before a call and at the end of an answer with calls is dropped.
     """
 
     def __init__(self) -> None:
         self.calls = 0
         self._pending = ""
         self._in_call = False
-        self._gap = ""  # whitespace after a call, sent only if more text follows
+        self._gap = ""  # trailing whitespace, sent only once more text follows
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
         self._pending += delta
@@ -330,6 +375,7 @@ class HermesReader:
                     content.append(self._text(_HERMES_START + body + closing))
                 else:
                     out.append(call)
+                    self._gap = ""  # whitespace before a call is dropped
                 continue
             start = self._pending.find(_HERMES_START)
             if start >= 0:
@@ -341,22 +387,38 @@ class HermesReader:
             content.append(self._text(self._pending[: len(self._pending) - keep]))
             self._pending = self._pending[len(self._pending) - keep :]
             break
+        if finished and not self.calls:  # plain text keeps its trailing whitespace
+            content.append(self._gap)
+            self._gap = ""
         return "".join(content), out
 
     def _text(self, text: str) -> str:
-        """Content to send: after a call, whitespace waits until text follows it."""
-        if not self.calls:
-            return text
-        self._gap += text
-        if not self._gap.strip():
-            return ""
-        text, self._gap = self._gap, ""
-        return text
+        """Content to send: trailing whitespace waits until text follows it (so a stream sends
+        what a whole answer has, whichever way the deltas split it)."""
+        text = self._gap + text
+        kept = text.rstrip()
+        self._gap = text[len(kept) :]
+        return kept
 
     def _call(self, body: str) -> ToolCallDelta | None:
         call = _call_from_json(body, self.calls)
         self.calls += call is not None
         return call
+
+
+class FirstCallOnly:
+    """``parallel_tool_calls: false`` in auto mode: calls after the first are dropped (vLLM)."""
+
+    def __init__(self, reader: ToolCallReader) -> None:
+        self.reader = reader
+
+    @property
+    def calls(self) -> int:
+        return min(self.reader.calls, 1)
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = self.reader.feed(delta, finished)
+        return content, [d for d in deltas if d.index == 0]
 
 
 def finish_reason(use: ToolUse | None, reader: ToolCallReader | None, reason: str) -> str:

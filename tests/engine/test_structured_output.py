@@ -350,6 +350,45 @@ def test_allowed_tokens_that_min_tokens_would_all_mask_are_refused_at_add() -> N
     core.shutdown()
 
 
+def test_required_tool_calls_keep_each_tools_own_references() -> None:
+    """Each tool's schema is nested in the array of calls: its "#" (recursion),
+    "#/definitions/..." and "#/$defs/..." still point into it, and two tools may define the
+    same $defs name differently."""
+    from shm_engine.entrypoints.tool_calls import ToolUse
+
+    def item(kind: str) -> dict:
+        return {"type": "object", "properties": {"i": {"$ref": "#/$defs/Item"}},
+                "$defs": {"Item": {"type": kind}}, "required": ["i"]}  # fmt: skip
+
+    tree = {"type": "object", "required": ["v"], "additionalProperties": False,
+            "properties": {"v": {"type": "integer"}, "child": {"$ref": "#"}}}  # fmt: skip
+    draft7 = {"type": "object", "properties": {"a": {"$ref": "#/definitions/A"}},
+              "definitions": {"A": {"type": "string"}}, "required": ["a"], "$id": "urn:x"}  # fmt: skip
+    named = {"tree": tree, "d7": draft7, "ints": item("integer"), "strs": item("string")}
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": p}} for n, p in named.items()
+    ]
+    schema = ToolUse("required", tools).constraint()
+    compiler = GrammarCompiler(TOKENIZER, TOKENIZER.vocab_size, [EOS])
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.compile(schema)
+        ids = TOKENIZER.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    def call(name: str, params: str) -> str:
+        return f'[{{"name":"{name}","parameters":{params}}}]'
+
+    try:
+        assert accepts(call("tree", '{"v":1,"child":{"v":2,"child":{"v":3}}}'))
+        assert not accepts(call("tree", '{"v":1,"child":[{"name":"tree","parameters":{"v":1}}]}'))
+        assert accepts(call("d7", '{"a":"x"}')) and not accepts(call("d7", '{"a":1}'))
+        assert accepts(call("ints", '{"i":1}')) and not accepts(call("ints", '{"i":"s"}'))
+        assert accepts(call("strs", '{"i":"s"}')) and not accepts(call("strs", '{"i":1}'))
+    finally:
+        compiler.shutdown()
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_a_required_tool_choice_gives_calls_the_server_reads(parallel: bool) -> None:
     """The chat API's tool_choice "required" constraint (tool_calls.py) compiles, and what

@@ -184,6 +184,8 @@ def test_serve_chat_flags_are_checked_before_the_engine_starts(tmp_path) -> None
         options("--enable-auto-tool-choice")
     with pytest.raises(ValueError, match="does not compile"):
         options("--chat-template", "{% for m in messages %}")
+    with pytest.raises(SystemExit):  # argparse's one-line error: a path of no file
+        parser.parse_args(["serve", "--chat-template", str(tmp_path / "missing.jinja")])
 
 
 def cli_chat_options(template: str | None = None, parser: str | None = None):
