@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from shm_engine.entrypoints.cli_parser import OneLineParser, fail, int_in
+from shm_engine.entrypoints.reasoning import REASONING_PARSERS
 from shm_engine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -338,7 +339,11 @@ def chat_options(args):
     if args.chat_template is not None:
         check_chat_template(args.chat_template)
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-    return ChatOptions(chat_template=args.chat_template, tool_call_parser=parser)
+    return ChatOptions(
+        chat_template=args.chat_template,
+        tool_call_parser=parser,
+        reasoning_parser=args.reasoning_parser,
+    )
 
 
 def cmd_bench(args) -> int:
@@ -426,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TOOL_CALL_PARSERS,
         help="how the model writes its tool calls (hermes: <tool_call>{json}</tool_call>, "
         "Qwen2.5 and Hermes; llama3_json: {json}; {json} ..., Llama 3.1-3.3)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="the <think>...</think> part of answers goes to the chat API's `reasoning` "
+        "(deepseek_r1: answers start thinking; qwen3: where they open <think>)",
     )
     _engine_args(s)
     s.set_defaults(func=cmd_serve)

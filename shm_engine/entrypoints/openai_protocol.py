@@ -326,6 +326,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # the call a tool message answers
+    # an assistant's thinking, as this server returns it (vLLM's and DeepSeek's names)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def template_content(self) -> str | list[dict[str, str]]:
         """The content as the chat template takes it: a string or checked text parts."""
@@ -344,6 +347,9 @@ class ChatMessage(BaseModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thinking is not None:  # templates read either name (Qwen3: reasoning_content)
+            message["reasoning"] = message["reasoning_content"] = thinking
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": c.type, "function": {"name": c.function.name,

@@ -54,8 +54,11 @@ from shm_engine.entrypoints.openai_protocol import (
     TokenizeRequest,
     screen_counts,
 )
+from shm_engine.entrypoints.reasoning import REASONING_TAGS, ReasoningSplitter
 from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
+from shm_engine.entrypoints.tags import tags_special
 from shm_engine.entrypoints.tool_calls import (
+    ToolCallDelta,
     ToolCallReader,
     ToolUse,
     finish_reason,
@@ -76,6 +79,7 @@ class ChatOptions:
 
     chat_template: str | None = None  # instead of the model's own
     tool_call_parser: str | None = None  # reads the calls of tool_choice "auto"; None: refused
+    reasoning_parser: str | None = None  # splits <think>...</think> into `reasoning`
 
 
 # --------------------------------------------------------------------------- per-request state
@@ -90,6 +94,16 @@ class _Choice:
     done: bool = False
     lp: LogprobCursor = field(default_factory=LogprobCursor)
     tools: ToolCallReader | None = None  # reads tool calls out of a chat choice's text
+    reasoning: ReasoningSplitter | None = None  # and its reasoning, before that
+
+    def read(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """A chat choice's next text as (reasoning, content, tool call pieces)."""
+        reasoning, calls = "", []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, finished)
+        if self.tools is not None:
+            text, calls = self.tools.feed(text, finished)
+        return reasoning, text, calls
 
 
 @dataclass
@@ -176,6 +190,9 @@ class OpenAIServer:
         self.chat_options = chat or ChatOptions()
         self.parser_tags_special = parser_tags_special(
             engine.tokenizer, self.chat_options.tool_call_parser
+        )
+        self.reasoning_tags_special = self.chat_options.reasoning_parser is not None and (
+            tags_special(engine.tokenizer, REASONING_TAGS)
         )
         self.metrics = metrics
         self.model_name = model_name
@@ -427,19 +444,32 @@ class OpenAIServer:
         if step is None:
             return None
         text, finish, lp = step
+        reasoning, text, calls = st.read(text, finish is not None)
         delta: dict[str, Any] = {}
-        if st.tools is not None:
-            text, calls = st.tools.feed(text, finish is not None)
-            if calls:
-                delta["tool_calls"] = [call.to_openai() for call in calls]
-            if finish is not None:
-                finish = finish_reason(tools, st.tools, finish)
+        if reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [call.to_openai() for call in calls]
+        if finish is not None:
+            finish = finish_reason(tools, st.tools, finish)
         if not delta and finish is None and lp is None:
-            return None  # text a tool call reader holds back
+            return None  # text a reader holds back
         return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
                 "stop_reason": c.stop_reason if finish else None}  # fmt: skip
+
+    def _splits_reasoning(self, params: SamplingParams) -> bool:
+        """A reasoning parser applies, unless a constraint shapes the whole answer."""
+        return self.chat_options.reasoning_parser is not None and params.structured_outputs is None
+
+    def _chat_choice(self, params: SamplingParams, tools: ToolUse | None) -> _Choice:
+        """A chat choice's state, with the readers of its reasoning and tool calls."""
+        parser = self.chat_options.reasoning_parser
+        return _Choice(
+            tools=tools.reader() if tools is not None else None,
+            reasoning=ReasoningSplitter(parser) if self._splits_reasoning(params) else None,
+        )
 
     # ------------------------------------------------------------------ completions
 
@@ -574,6 +604,8 @@ class OpenAIServer:
         self.check_alive()
         tools = req.tool_use(self.chat_options.tool_call_parser, self.parser_tags_special)
         params = req.sampling_params(self.engine.sampling_defaults, tools)
+        if self._splits_reasoning(params) and self.reasoning_tags_special:
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         prompt = await self._prompt_from_chat(req, params)
         if req.stream:
             return SSEResponse(self._stream_chat(req, prompt, tools), self._start([prompt]))
@@ -590,15 +622,16 @@ class OpenAIServer:
                 skip = params.skip_special_tokens
                 end = len(c.token_ids)
                 lp = self.logprobs.chat(c, end, LogprobCursor(), skip, params.logprobs)
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
-            finish = _finish_reason(c)
-            reader = tools.reader() if tools is not None else None
-            if reader is not None:
-                content, calls = reader.feed(c.text, finished=True)
-                if calls:
-                    message["tool_calls"] = whole_calls(calls)
-                message["content"] = content if content.strip() or not calls else None
-                finish = finish_reason(tools, reader, finish or "stop")
+            st = self._chat_choice(params, tools)
+            reasoning, content, calls = st.read(c.text, finished=True)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if st.reasoning is not None:
+                message["reasoning"] = message["reasoning_content"] = reasoning or None
+                message["content"] = content or None  # the answer was all thinking
+            if calls:
+                message["tool_calls"] = whole_calls(calls)
+                message["content"] = content if content.strip() else None
+            finish = finish_reason(tools, st.tools, _finish_reason(c) or "stop")
             choices.append(
                 {
                     "index": c.index,
@@ -639,10 +672,7 @@ class OpenAIServer:
               "finish_reason": None} for j in range(params.n)]
         )  # fmt: skip
         try:
-            p.choices = [
-                _Choice(tools=tools.reader() if tools is not None else None)
-                for _ in range(params.n)
-            ]
+            p.choices = [self._chat_choice(params, tools) for _ in range(params.n)]
             async for out in self._run(p):
                 choices = [
                     d

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from shm_engine.entrypoints.tags import partial_tag, tags_special
 from shm_engine.sampling_params import StructuredOutputsParams
 
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
@@ -32,12 +33,8 @@ TOOL_CALL_PARSERS = tuple(PARSER_TAGS)
 
 
 def parser_tags_special(tokenizer: Any, parser: str | None) -> bool:
-    """Whether the parser's tags are special tokens of ``tokenizer`` (skipped from the text
-    unless the request keeps special tokens, which then costs other specials' text leaking)."""
-    if parser is None:
-        return False
-    ids = (tokenizer.token_to_id(tag) for tag in PARSER_TAGS[parser])
-    return any(i is not None and i in tokenizer.all_special_ids for i in ids)
+    """Whether the parser's tags are special tokens of ``tokenizer``."""
+    return parser is not None and tags_special(tokenizer, PARSER_TAGS[parser])
 
 
 def _call_id() -> str:
@@ -383,7 +380,7 @@ class HermesReader:
                 self._pending = self._pending[start + len(_HERMES_START) :]
                 self._in_call = True
                 continue
-            keep = 0 if finished else _partial_tag(self._pending, _HERMES_START)
+            keep = 0 if finished else partial_tag(self._pending, _HERMES_START)
             content.append(self._text(self._pending[: len(self._pending) - keep]))
             self._pending = self._pending[len(self._pending) - keep :]
             break
@@ -427,11 +424,3 @@ def finish_reason(use: ToolUse | None, reader: ToolCallReader | None, reason: st
     if use is None or reader is None or use.mode == "named" or not reader.calls:
         return reason
     return "tool_calls" if reason == "stop" else reason
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (0: none)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

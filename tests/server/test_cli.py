@@ -180,6 +180,7 @@ def test_serve_chat_flags_are_checked_before_the_engine_starts(tmp_path) -> None
     assert auto == cli_chat_options("{{ messages[0].content }}", "hermes")
     # a parser alone reads nothing: "auto" stays refused, as in vLLM
     assert options("--tool-call-parser", "hermes").tool_call_parser is None
+    assert options("--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         options("--enable-auto-tool-choice")
     with pytest.raises(ValueError, match="does not compile"):

@@ -977,3 +977,44 @@ def test_detokenize_gives_the_text_with_special_tokens(fake) -> None:
     r = client.post("/detokenize", json={"tokens": [1, 10**6]})
     assert r.status_code == 400 and "token id 1000000 is out of the vocabulary" in r.text
     assert client.post("/detokenize", json={"tokens": "ab"}).status_code == 400
+
+
+# ---------------------------------------------------------------------------- reasoning
+
+
+def test_a_reasoning_parser_sends_thinking_to_reasoning(monkeypatch) -> None:
+    engine, seen = tool_engine("<think>Paris, surely.</think>\n\nParis.")
+    qwen3 = openai_server.ChatOptions(reasoning_parser="qwen3")
+    body = {"messages": ASK, "max_tokens": 40}
+    with serve_fake(monkeypatch, engine, qwen3) as client:
+        m = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            deltas = [e["choices"][0]["delta"] for e in sse(s) if e["choices"]]
+        # a constraint shapes the whole answer: nothing is split off
+        fmt = {**body, "response_format": {"type": "json_object"}}
+        whole = client.post("/v1/chat/completions", json=fmt).json()["choices"][0]["message"]
+        # earlier thinking reaches the template under both names
+        turns = [*ASK, {"role": "assistant", "content": "Paris.", "reasoning_content": "hm"}]
+        assert client.post("/v1/chat/completions", json={"messages": turns}).status_code == 200
+    assert m["reasoning"] == m["reasoning_content"] == "Paris, surely."
+    assert m["content"] == "Paris."
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Paris, surely."
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Paris, surely."
+    assert "".join(d.get("content") or "" for d in deltas) == "Paris."
+    assert whole["content"].startswith("<think>") and "reasoning" not in whole
+    assert not seen[0][1].structured_outputs and seen[2][1].structured_outputs
+
+
+def test_reasoning_comes_before_the_tool_calls_read_from_the_answer(monkeypatch) -> None:
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    engine, _ = tool_engine(f"<think>I should look.</think>{call}")
+    chat = openai_server.ChatOptions(tool_call_parser="hermes", reasoning_parser="qwen3")
+    body = {"messages": ASK, "tools": [WEATHER]}
+    with serve_fake(monkeypatch, engine, chat) as client:
+        r = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            content, calls, finish = streamed_calls(s)
+    assert r["message"]["reasoning"] == "I should look." and r["message"]["content"] is None
+    assert r["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert r["finish_reason"] == finish == "tool_calls" and content == ""
+    assert [c["name"] for c in calls] == ["get_weather"]
