@@ -34,7 +34,6 @@ class StreamOptions(BaseModel):
 _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "truncate_prompt_tokens": (),
     "structural_tag": (),
     "guided_whitespace_pattern": (),
     "logits_processors": ([],),
@@ -109,6 +108,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's: the prompt tokens' logprobs (own token and top-n), in the non-streamed response
     prompt_logprobs: int | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as fit with max_tokens)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     priority: int = 0  # lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     # Accepted as vLLM does with fast tokenizers, which leave special tokens' spacing as is.
@@ -121,6 +122,8 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"{name} is not supported by this server")
         if self.cache_salt == "":
             raise ValueError("cache_salt must be a non-empty string if given")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
 
     def _sampling(
         self,

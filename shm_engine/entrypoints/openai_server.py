@@ -254,28 +254,50 @@ class OpenAIServer:
             f"{self.tokens.max_token_chars})."
         )
 
-    def _tokenize(self, text: str, add_special_tokens: bool, in_thread: bool) -> list[int]:
-        self._check_chars(text)
+    def _tokenize(
+        self, text: str, add_special_tokens: bool, in_thread: bool, limit: bool = True
+    ) -> list[int]:
+        """``limit``: refuse a text too long for the context first (not when it is truncated)."""
+        if limit:
+            self._check_chars(text)
         if not in_thread:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         # NOTE: encode_batch, not encode: only the batch call releases the GIL while the Rust
         # tokenizer runs, so only it lets the event loop go on next to this worker thread.
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
-    def _tokenize_all(self, texts: list[str]) -> list[list[int]]:
+    def _tokenize_all(self, texts: list[str], limit: bool = True) -> list[list[int]]:
         """Completion prompts' ids, in a worker thread: every length is checked first, so a
         too-long last prompt is refused before the others are paid for."""
-        for text in texts:
+        for text in texts if limit else ():
             self._check_chars(text)
         return self.tokenizer.encode_batch(texts, add_special_tokens=True)
 
-    async def _encode(self, texts: list[str]) -> list[list[int]]:
+    async def _encode(self, texts: list[str], limit: bool = True) -> list[list[int]]:
         """Completion prompts' ids; long ones (in total) are tokenized in a worker thread."""
         # NOTE: the total decides: thousands of prompts each under the limit had stalled the
         # event loop (every stream, /health) for seconds.
         if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            return [self._tokenize(text, True, in_thread=False) for text in texts]
-        return await asyncio.to_thread(self._tokenize_all, texts)
+            return [self._tokenize(text, True, in_thread=False, limit=limit) for text in texts]
+        return await asyncio.to_thread(self._tokenize_all, texts, limit)
+
+    def _truncate(
+        self, req: CompletionRequest | ChatCompletionRequest, ids: list[int], params: SamplingParams
+    ) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as leave room
+        for max_tokens, or one token, in the context)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        limit = self.engine.max_model_len
+        if k == -1:
+            k = max(1, limit - (params.max_tokens or 1))
+        elif k > limit:
+            raise bad_request(
+                f"truncate_prompt_tokens ({k}) is larger than the context ({limit} tokens)",
+                "truncate_prompt_tokens",
+            )
+        return ids[-k:]
 
     def _chat_text(self, req: ChatTemplateFields) -> str:
         return self.tokenizer.apply_chat_template(
@@ -289,7 +311,8 @@ class OpenAIServer:
 
     def _render_chat(self, req: ChatCompletionRequest, in_thread: bool) -> tuple[str, list[int]]:
         text = self._chat_text(req)
-        return text, self._tokenize(text, False, in_thread)
+        limit = req.truncate_prompt_tokens is None
+        return text, self._tokenize(text, False, in_thread, limit)
 
     async def _prompts_from_completion(
         self, req: CompletionRequest, params: SamplingParams
@@ -311,7 +334,8 @@ class OpenAIServer:
             )
         prompts = []
         base = f"cmpl-{uuid.uuid4().hex[:24]}"
-        encoded = iter(await self._encode([x for x in raw if isinstance(x, str)]))
+        truncating = req.truncate_prompt_tokens is not None
+        encoded = iter(await self._encode([x for x in raw if isinstance(x, str)], not truncating))
         for i, item in enumerate(raw):
             if isinstance(item, str):
                 text, ids = item, next(encoded)
@@ -321,6 +345,9 @@ class OpenAIServer:
                 except ValueError as e:
                     raise bad_request(str(e), "prompt") from None
                 text, ids = None, list(item)
+            if truncating:
+                # NOTE: the echo then decodes the tokens the model saw (text None)
+                text, ids = None, self._truncate(req, ids, params)
             fitted = self._fit_default_max_tokens(req, ids, params)
             self.engine.check_prompt(ids, fitted)
             prompts.append(_Prompt(text, ids, fitted, f"{base}-{i}", req.priority, req.cache_salt))
@@ -334,6 +361,8 @@ class OpenAIServer:
             text, ids = self._render_chat(req, in_thread=False)
         else:
             text, ids = await asyncio.to_thread(self._render_chat, req, True)
+        if req.truncate_prompt_tokens is not None:
+            text, ids = None, self._truncate(req, ids, params)
         params = self._fit_default_max_tokens(req, ids, params)
         self.engine.check_prompt(ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

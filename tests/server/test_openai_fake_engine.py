@@ -278,7 +278,6 @@ def test_one_request_may_ask_for_at_most_1024_sequences(fake):
     ("path", "extra", "field"),
     [
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-        ("/v1/completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
         ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
         ("/v1/chat/completions", {"structural_tag": "{}"}, "structural_tag"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "may not set"),
@@ -1018,3 +1017,32 @@ def test_reasoning_comes_before_the_tool_calls_read_from_the_answer(monkeypatch)
     assert r["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert r["finish_reason"] == finish == "tool_calls" and content == ""
     assert [c["name"] for c in calls] == ["get_weather"]
+
+
+# ---------------------------------------------------------------------------- truncation
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(fake) -> None:
+    client, engine = fake  # max_model_len 64, one token a byte
+    seen = []
+
+    def script(ids, params):
+        seen.append(engine.tokenizer.decode(ids))
+        return replay(engine.tokenizer, "ok", None, lp=False)
+
+    engine.script = script
+    body = {"prompt": "0123456789", "max_tokens": 2, "truncate_prompt_tokens": 4, "echo": True}
+    r = client.post("/v1/completions", json=body).json()
+    assert seen[-1] == "6789" and r["choices"][0]["text"] == "6789ok"
+    assert r["usage"]["prompt_tokens"] == 4
+    # past the context: kept to what fits (-1: room for max_tokens), never a 400
+    long = {"prompt": "x" * 500, "max_tokens": 4, "truncate_prompt_tokens": -1}
+    assert client.post("/v1/completions", json=long).status_code == 200 and len(seen[-1]) == 60
+    ids = {"prompt": list(range(65, 91)), "max_tokens": 2, "truncate_prompt_tokens": 3}
+    assert client.post("/v1/completions", json=ids).status_code == 200 and seen[-1] == "XYZ"
+    chat = {"messages": [{"role": "user", "content": "hello"}], "truncate_prompt_tokens": 8}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert seen[-1] == "\nassistant: "[-8:]
+    for k, needle in ((65, "larger than the context"), (0, "-1 or at least 1"), (-2, "")):
+        r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"]
