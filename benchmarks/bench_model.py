@@ -7,7 +7,11 @@
 - peak RSS of a fresh process that loads the default int8 model (KV cache excluded).
 
     python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
-        [--activation-dtype int8] [--gemm-ms 300]
+        [--activation-dtype int8] [--gemm-ms 300] [--model PATH] [--skip-gemm]
+
+``--model`` measures another model (a GGUF file or HF directory; e.g. one of
+``benchmarks/random_model.py``'s shapes) instead of the embedded SmolLM2; the GEMM table is
+SmolLM2's shapes either way (``--skip-gemm`` leaves it out).
 
 The JSON also records the machine (CPU, kernel path, threads): runs on different days may have
 run on different CPUs.
@@ -78,13 +82,13 @@ def decode_tok_s(model, config, batch_size: int, steps: int, context: int = CONT
     return batch_size / statistics.median(times)
 
 
-def peak_rss_mb() -> float:
-    """Peak RSS of a fresh process that loads and packs the default model (no KV cache)."""
+def peak_rss_mb(model: str | None = None) -> float:
+    """Peak RSS of a fresh process that loads and packs the model (no KV cache)."""
     code = (
         "import resource\n"
         "from shm_engine.model.loader import load_model\n"
         "from shm_engine.model.int8_model import Int8Llama\n"
-        "m = load_model(None)\n"
+        f"m = load_model({model!r})\n"
         "model = Int8Llama(m.config, m.weights)\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
     )
@@ -111,6 +115,8 @@ def main() -> int:
     ap.add_argument(
         "--gemm-ms", type=float, default=300.0, help="GEMM table: timing budget a point, ms"
     )
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    ap.add_argument("--skip-gemm", action="store_true", help="no GEMM table")
     args = ap.parse_args()
     steps = 8 if args.quick else 32
     repeats = 2 if args.quick else 5
@@ -125,7 +131,8 @@ def main() -> int:
     print(describe(machine))
     results: dict = {
         "machine": machine,
-        "peak_rss_mb": peak_rss_mb(),
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        "peak_rss_mb": peak_rss_mb(args.model),
         "kv_cache_dtype": args.kv_cache_dtype,
         "activation_dtype": args.activation_dtype,
     }
@@ -133,11 +140,12 @@ def main() -> int:
 
     # NOTE: not shorter in --quick: with ~7 ms windows our kernel measured about half its
     # standalone GOP/s next to torch's (whose OpenMP threads share the cores).
-    rows = gemm_rows(ms_per_point=args.gemm_ms)
-    print(format_table(rows))
-    results["gemm"] = [{k: r[k] for k in ("m", "n", "k", "name", "impl", "gops")} for r in rows]
+    if not args.skip_gemm:
+        rows = gemm_rows(ms_per_point=args.gemm_ms)
+        print(format_table(rows))
+        results["gemm"] = [{k: r[k] for k in ("m", "n", "k", "name", "impl", "gops")} for r in rows]
 
-    loaded = load_model(None)
+    loaded = load_model(args.model)
 
     def int8_model(act: str) -> Int8Llama:
         return Int8Llama(

@@ -55,3 +55,23 @@ def test_bench_startup_json(tmp_path: Path) -> None:
     assert 0 < m["llm_init_s"] < 120 and 0 < m["first_generate_s"] < 60
     # the frontend holds a tokenizer and rings, not torch (~230 MB) or the weights
     assert 20 < m["frontend_peak_rss_mb"] < 250
+
+
+def test_random_model_presets_have_the_published_shapes(tmp_path: Path) -> None:
+    """The presets' parameter counts are the checkpoints' published ones; a written model
+    loads with the shapes the loader expects."""
+    from benchmarks.random_model import PRESETS, random_weights
+    from shm_engine.model.config import ModelConfig
+    from shm_engine.model.hf_loader import save_hf_model
+    from shm_engine.model.loader import expected_weight_shapes, load_model, load_model_info
+
+    millions = {name: ModelConfig(**p).num_parameters() / 1e6 for name, p in PRESETS.items()}
+    assert millions["qwen3-0.6b"] == pytest.approx(596, abs=1)
+    assert millions["qwen2.5-0.5b"] == pytest.approx(494, abs=1)
+    assert millions["llama-3.2-1b"] == pytest.approx(1236, abs=1)
+    small = ModelConfig(**{**PRESETS["qwen3-0.6b"], "vocab_size": 300, "num_layers": 1,
+                           "hidden_size": 64, "intermediate_size": 96, "head_dim": 32})  # fmt: skip
+    weights = random_weights(small)
+    assert {n: tuple(t.shape) for n, t in weights.items()} == expected_weight_shapes(small)
+    save_hf_model(tmp_path, small, weights, load_model_info(None).tokenizer)
+    assert load_model(tmp_path).config == small
