@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from shm_engine.engine.client import EngineDeadError
@@ -145,14 +145,14 @@ def build_app(
     @app.post("/tokenize", responses=TOKENIZER_RESPONSES)
     async def tokenize(req: TokenizeRequest, raw: Request) -> Response:
         try:
-            return JSONResponse(await server(raw).tokenize(req))
+            return await server(raw).tokenize(req)
         except Exception as e:
             return api_error_response(e)
 
     @app.post("/detokenize", responses=TOKENIZER_RESPONSES)
     async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
         try:
-            return JSONResponse(await server(raw).detokenize(req))
+            return await server(raw).detokenize(req)
         except Exception as e:
             return api_error_response(e)
 

@@ -441,6 +441,7 @@ class ChatTemplateFields(BaseModel):
         chars = 0
         for m in self.messages or ():
             chars += 32 + sum(len(c.function.arguments) for c in m.tool_calls or ())
+            chars += sum(len(s or "") for s in (m.reasoning, m.reasoning_content, m.name))
             if isinstance(m.content, str):
                 chars += len(m.content)
             elif m.content:
@@ -516,7 +517,8 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
 class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the template first."""
 
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: "allow" keeps unknown fields in model_extra, where refused chat fields are found.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
@@ -528,6 +530,10 @@ class TokenizeRequest(ChatTemplateFields):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
+        for name, value in (self.model_extra or {}).items():
+            harmless = _UNSUPPORTED_CHAT_FIELDS.get(name)
+            if harmless is not None and value not in harmless and value is not None:
+                raise ValueError(f"{name} is not supported by this server")
         return self
 
     @property

@@ -54,7 +54,11 @@ from shm_engine.entrypoints.openai_protocol import (
     TokenizeRequest,
     screen_counts,
 )
-from shm_engine.entrypoints.reasoning import REASONING_TAGS, ReasoningSplitter
+from shm_engine.entrypoints.reasoning import (
+    REASONING_TAGS,
+    ReasoningSplitter,
+    prompt_opens_thinking,
+)
 from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
 from shm_engine.entrypoints.tags import tags_special
 from shm_engine.entrypoints.tool_calls import (
@@ -219,7 +223,7 @@ class OpenAIServer:
             if counts[name] > cap:
                 return f"{name} takes at most {cap} entries, got {counts[name]}"
         limit, messages = self.engine.max_model_len, counts["messages"]
-        if path not in ("/v1/chat/completions", "/tokenize") or messages <= limit:
+        if path != "/v1/chat/completions" or messages <= limit:
             return None
         return (
             f"This model's maximum context length is {limit} tokens, but the conversation has "
@@ -492,13 +496,13 @@ class OpenAIServer:
         """A reasoning parser applies, unless a constraint shapes the whole answer."""
         return self.chat_options.reasoning_parser is not None and params.structured_outputs is None
 
-    def _chat_choice(self, params: SamplingParams, tools: ToolUse | None) -> _Choice:
+    def _chat_choice(self, p: _Prompt, tools: ToolUse | None) -> _Choice:
         """A chat choice's state, with the readers of its reasoning and tool calls."""
-        parser = self.chat_options.reasoning_parser
-        return _Choice(
-            tools=tools.reader() if tools is not None else None,
-            reasoning=ReasoningSplitter(parser) if self._splits_reasoning(params) else None,
-        )
+        parser, splitter = self.chat_options.reasoning_parser, None
+        if parser is not None and self._splits_reasoning(p.params):
+            tail = self.tokenizer.decode(p.token_ids[-8:], skip_special_tokens=False)
+            splitter = ReasoningSplitter(parser, inside=prompt_opens_thinking(tail))
+        return _Choice(tools=tools.reader() if tools is not None else None, reasoning=splitter)
 
     # ------------------------------------------------------------------ completions
 
@@ -651,7 +655,7 @@ class OpenAIServer:
                 skip = params.skip_special_tokens
                 end = len(c.token_ids)
                 lp = self.logprobs.chat(c, end, LogprobCursor(), skip, params.logprobs)
-            st = self._chat_choice(params, tools)
+            st = self._chat_choice(prompt, tools)
             reasoning, content, calls = st.read(c.text, finished=True)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if st.reasoning is not None:
@@ -701,7 +705,7 @@ class OpenAIServer:
               "finish_reason": None} for j in range(params.n)]
         )  # fmt: skip
         try:
-            p.choices = [self._chat_choice(params, tools) for _ in range(params.n)]
+            p.choices = [self._chat_choice(p, tools) for _ in range(params.n)]
             async for out in self._run(p):
                 choices = [
                     d
@@ -724,34 +728,42 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ tokenizer endpoints
 
-    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> Response:
         """vLLM's /tokenize: a prompt's (or a rendered chat's) token ids, of any length (the
-        count is what a client asks for), long ones in a worker thread."""
+        count is what a client asks for). A long one is counted, and its answer built and
+        encoded, in a worker thread: 8M tokens' JSON had held the event loop for seconds."""
         self.check_model(req.model)
 
-        def ids() -> list[int]:
+        def answer() -> bytes:
             text = self._chat_text(req) if req.prompt is None else req.prompt
-            return self.tokenizer.encode_batch([text], add_special_tokens=req.special_tokens)[0]
+            tokens = self.tokenizer.encode_batch([text], add_special_tokens=req.special_tokens)[0]
+            strs = None
+            if req.return_token_strs:
+                strs = [self.tokenizer.id_to_token(t) for t in tokens]
+            return _json.encode({"count": len(tokens), "max_model_len": self.engine.max_model_len,
+                                 "tokens": tokens, "token_strs": strs})  # fmt: skip
 
-        if req.template_chars() + len(req.prompt or "") <= INLINE_TOKENIZE_CHARS:
-            tokens = ids()
-        else:
-            tokens = await asyncio.to_thread(ids)
-        strs = [self.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": self.engine.max_model_len,
-                "tokens": tokens, "token_strs": strs}  # fmt: skip
+        small = req.template_chars() + len(req.prompt or "") <= INLINE_TOKENIZE_CHARS
+        body = answer() if small else await asyncio.to_thread(answer)
+        return Response(body, media_type="application/json")
 
-    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
-        """vLLM's /detokenize: the text of token ids, special tokens included."""
+    async def detokenize(self, req: DetokenizeRequest) -> Response:
+        """vLLM's /detokenize: the text of token ids, special tokens included; ids the
+        tokenizer does not have (a model's padded vocabulary) are a 400, not dropped."""
         self.check_model(req.model)
-        vocab = self.engine.client.ready.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is out of the vocabulary (size {vocab})", "tokens")
-        if len(req.tokens) <= INLINE_TOKENIZE_CHARS:
-            return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-        text = await asyncio.to_thread(self.tokenizer.decode, req.tokens, False)
-        return {"prompt": text}
+
+        def answer() -> bytes:
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                message = f"token id {bad} is not in the tokenizer's vocabulary (size {vocab})"
+                raise bad_request(message, "tokens")
+            text = self.tokenizer.decode(req.tokens, skip_special_tokens=False)
+            return _json.encode({"prompt": text})
+
+        small = len(req.tokens) <= INLINE_TOKENIZE_CHARS
+        body = answer() if small else await asyncio.to_thread(answer)
+        return Response(body, media_type="application/json")
 
     # ------------------------------------------------------------------ misc endpoints
 

@@ -4,11 +4,14 @@ chat API's ``reasoning`` field (and its older name ``reasoning_content``), the r
 
 - ``deepseek_r1``: the answer starts inside the thinking (the R1 distills' template opens
   ``<think>`` in the prompt); a leading ``<think>`` is dropped, ``</think>`` ends it.
-- ``qwen3``: thinking only where the answer starts with ``<think>`` (Qwen3 writes it itself;
-  with ``enable_thinking: false`` its template closes an empty one in the prompt and the
-  answer is all content).
+- ``qwen3``: thinking where the answer starts with ``<think>`` (Qwen3 writes it itself), or
+  where the prompt ends inside an open one (the Thinking-2507 templates); with
+  ``enable_thinking: false`` the template closes an empty one in the prompt and the answer is
+  all content.
 
-An answer cut while still thinking (max_tokens) is all reasoning, streamed or whole.
+An answer cut while still thinking (max_tokens) is all reasoning, streamed or whole. The
+answer's leading whitespace after ``</think>`` is dropped; an answer that did not think is
+left as written.
 """
 
 from __future__ import annotations
@@ -20,16 +23,23 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 REASONING_TAGS = (_OPEN, _CLOSE)
 
 
-class ReasoningSplitter:
-    """Splits one choice's text, delta by delta, into (reasoning, content)."""
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt ending in ``prompt_tail`` leaves a ``<think>`` open for the answer."""
+    return prompt_tail.rstrip().endswith(_OPEN)
 
-    def __init__(self, parser: str) -> None:
+
+class ReasoningSplitter:
+    """Splits one choice's text, delta by delta, into (reasoning, content).
+
+    ``inside``: the prompt left a ``<think>`` open (see ``prompt_opens_thinking``)."""
+
+    def __init__(self, parser: str, inside: bool = False) -> None:
         if parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}")
-        self._starts_inside = parser == "deepseek_r1"
+        self._starts_inside = inside or parser == "deepseek_r1"
         self._state = "start"  # start -> thinking -> answer (or start -> answer)
         self._pending = ""  # text that may still be a tag's beginning
-        self._answer_started = False  # the answer's leading whitespace is dropped
+        self._strip = False  # the answer after </think>: its leading whitespace is dropped
 
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
         self._pending += delta
@@ -51,10 +61,10 @@ class ReasoningSplitter:
                 return reasoning, ""
             reasoning = self._pending[:end]
             self._pending = self._pending[end + len(_CLOSE) :]
-            self._state = "answer"
+            self._state, self._strip = "answer", True
         if self._state == "answer":
             content, self._pending = self._pending, ""
-            if not self._answer_started:
+            if self._strip:
                 content = content.lstrip()
-                self._answer_started = bool(content)
+                self._strip = not content
         return reasoning, content

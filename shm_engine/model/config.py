@@ -170,7 +170,8 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            # Qwen3Config's default is 128 whatever the width (Qwen3-0.6B: 1024 / 16 heads)
+            head_dim=int(cfg.get("head_dim") or (128 if arch == "qwen3" else hidden // heads)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None,

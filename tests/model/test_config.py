@@ -232,3 +232,10 @@ def test_gguf_metadata_gaps_get_a_clear_error(key: str, value: object, message: 
         ModelConfig.from_gguf_metadata(meta, vocab_size=1000)
     uniform = dict(QWEN2_GGUF, **{"qwen2.attention.head_count_kv": [2, 2]})
     assert ModelConfig.from_gguf_metadata(uniform, vocab_size=1000).num_kv_heads == 2
+
+
+def test_qwen3_head_dim_defaults_to_128_as_transformers() -> None:
+    cfg = {"model_type": "qwen3", "vocab_size": 100, "hidden_size": 512, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8}  # fmt: skip
+    assert ModelConfig.from_hf_config(cfg).head_dim == 128
+    assert ModelConfig.from_hf_config({**cfg, "model_type": "qwen2"}).head_dim == 64

@@ -965,6 +965,12 @@ def test_tokenize_counts_a_prompt_or_a_rendered_chat_of_any_length(monkeypatch) 
         for bad in ({}, {"prompt": "a", "messages": ASK}):
             r = client.post("/tokenize", json=bad)
             assert r.status_code == 400 and "either prompt or messages" in r.text
+        r = client.post("/tokenize", json={**chat, "chat_template": "{{ 'X' }}"})
+        assert r.status_code == 400 and "chat_template is not supported" in r.text
+        # more messages than the context holds, in a body the server screens: still counted
+        many = {"messages": [{"role": "user", "content": "y" * 16_000}] * 70}
+        r = client.post("/tokenize", json=many)
+        assert r.status_code == 200 and r.json()["count"] > 70 * 16_000
         assert client.post("/tokenize", json={"prompt": "a", "model": "x"}).status_code == 404
 
 
@@ -974,7 +980,11 @@ def test_detokenize_gives_the_text_with_special_tokens(fake) -> None:
     r = client.post("/detokenize", json={"tokens": ids})
     assert r.status_code == 200 and r.json() == {"prompt": f"a{EMOJI}<|end|>b"}
     r = client.post("/detokenize", json={"tokens": [1, 10**6]})
-    assert r.status_code == 400 and "token id 1000000 is out of the vocabulary" in r.text
+    assert r.status_code == 400 and "token id 1000000 is not in the tokenizer's" in r.text
+    # an id of the model's padded vocabulary that the tokenizer lacks is refused, not dropped
+    engine.client.ready.vocab_size = engine.tokenizer.vocab_size + 64
+    r = client.post("/detokenize", json={"tokens": [97, engine.tokenizer.vocab_size]})
+    assert r.status_code == 400
     assert client.post("/detokenize", json={"tokens": "ab"}).status_code == 400
 
 
@@ -1046,3 +1056,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(fake) -> None:
     for k, needle in ((65, "larger than the context"), (0, "-1 or at least 1"), (-2, "")):
         r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+def test_a_prompt_left_thinking_sends_the_answers_start_to_reasoning(monkeypatch) -> None:
+    """Qwen3's Thinking-2507 templates open <think> in the prompt: the answer starts inside."""
+    engine = FakeEngine(tokenizer=tiny_tokenizer(TEMPLATE + "<think>\n"))
+    engine.script = lambda ids, params: replay(engine.tokenizer, "plan</think>Paris.", None, False)
+    qwen3 = openai_server.ChatOptions(reasoning_parser="qwen3")
+    with serve_fake(monkeypatch, engine, qwen3) as client:
+        r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 30})
+    m = r.json()["choices"][0]["message"]
+    assert (m["reasoning"], m["content"]) == ("plan", "Paris.")
