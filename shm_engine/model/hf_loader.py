@@ -30,33 +30,37 @@ _INDEX = "model.safetensors.index.json"
 
 
 class SafetensorsWeights(WeightSource):
-    """Reads each tensor from its (memory-mapped) shard on access and casts it to fp32."""
+    """Reads each tensor from its (memory-mapped) shard on access and casts it to fp32.
+
+    NOTE: a shard is opened for each read and closed after it, which unmaps it: a handle kept
+    open left every page read in the process's RSS (file-backed) until the end of the load, a
+    1.2 GB peak on top of the packed weights for a Qwen3-0.6B of bf16 shards (the GGUF loader
+    drops its pages with madvise). Opening parses the shard's header again: ~0.1 ms a tensor.
+    """
 
     def __init__(self, files: dict[str, Path], config: ModelConfig) -> None:
         self._files = files  # tensor name -> shard
-        self._handles: dict[Path, object] = {}
         names = expected_weight_names(config)
         check_unused_tensors(files, names, config)
         super().__init__([n for n in names if n in files])
 
-    def _handle(self, path: Path):  # noqa: ANN202 - safetensors has no public handle type
-        h = self._handles.get(path)
-        if h is None:
-            h = safe_open(str(path), framework="pt")
-            self._handles[path] = h
-        return h
+    def _open(self, name: str):  # noqa: ANN202 - safetensors has no public handle type
+        return safe_open(str(self._files[name]), framework="pt")
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._files[name]).get_slice(name).get_shape())
+        with self._open(name) as f:
+            return tuple(f.get_slice(name).get_shape())
 
     def _load(self, name: str) -> torch.Tensor:
-        t = self._handle(self._files[name]).get_tensor(name)
+        with self._open(name) as f:
+            t = f.get_tensor(name)
         return t.to(torch.float32).contiguous()
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         if name not in self._index:
             raise KeyError(name)
-        t = self._handle(self._files[name]).get_slice(name)[start:end]
+        with self._open(name) as f:
+            t = f.get_slice(name)[start:end]
         return t.to(torch.float32).contiguous()
 
 
