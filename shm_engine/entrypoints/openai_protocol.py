@@ -25,6 +25,8 @@ from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far too
+    continuous_usage_stats: bool = False
 
 
 # vLLM request fields this server does not implement, each with the values that change nothing
@@ -246,6 +248,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
 
 
 class CompletionRequest(_SamplingFields):

@@ -620,7 +620,8 @@ class OpenAIServer:
                         if (d := self._completion_delta(i * n, c, p.choices[c.index], hold, params))
                     ]
                 if choices:
-                    yield chunk(choices)
+                    usage = _usage(prompts) if req.continuous_usage else None
+                    yield chunk(choices, usage)
             if req.include_usage:
                 yield chunk([], _usage(prompts, generated=not req.echo_only))
         except ClientDisconnected:
@@ -702,7 +703,8 @@ class OpenAIServer:
         # client times the first chunk as TTFT, and one sent at once measured only the frontend.
         role: bytes | None = chunk(
             [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-              "finish_reason": None} for j in range(params.n)]
+              "finish_reason": None} for j in range(params.n)],
+            _usage([p]) if req.continuous_usage else None,
         )  # fmt: skip
         try:
             p.choices = [self._chat_choice(p, tools) for _ in range(params.n)]
@@ -712,7 +714,8 @@ class OpenAIServer:
                     for c in out.outputs
                     if (d := self._chat_delta(c, p.choices[c.index], hold, params, tools))
                 ]
-                data = chunk(choices) if choices else b""
+                usage = _usage([p]) if req.continuous_usage else None
+                data = chunk(choices, usage) if choices else b""
                 if role is not None:
                     data, role = role + data, None  # one write: the role, then the first text
                 if data:

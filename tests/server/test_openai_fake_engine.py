@@ -1067,3 +1067,23 @@ def test_a_prompt_left_thinking_sends_the_answers_start_to_reasoning(monkeypatch
         r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 30})
     m = r.json()["choices"][0]["message"]
     assert (m["reasoning"], m["content"]) == ("plan", "Paris.")
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(fake) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "abcd", None, lp=False)
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        body = {**body, "max_tokens": 4, "stream": True, "stream_options": options}
+        with client.stream("POST", path, json=body) as r:
+            events = sse(r)
+        counted = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+        assert counted == sorted(counted) and counted[-1] == 4, (path, counted)
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+        # without the flag, only the last chunk has the usage
+        body["stream_options"] = {"include_usage": True}
+        with client.stream("POST", path, json=body) as r:
+            assert [("usage" in e) for e in sse(r)][-2:] == [False, True]
