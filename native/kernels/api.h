@@ -121,6 +121,7 @@ typedef struct {
     const float *input_norm;      /* [hidden] */
     const float *post_norm;       /* [hidden] */
     const float *q_norm, *k_norm; /* [d] each: Qwen3's per-head RMSNorm before RoPE; or NULL */
+    int rope;                     /* 0: no RoPE in this layer (SmolLM3's NoPE layers) */
     shmk_linear_t qkv;            /* n = (hq + 2 hk) d, rows ordered q | k | v */
     shmk_linear_t o;              /* n = hidden, k = hq d */
     shmk_linear_t gate_up;        /* n = 2 ffn, rows ordered gate | up */

@@ -34,7 +34,7 @@ void shmk_llama_layer_forward(const shmk_layer_t *L, const shmk_step_t *S, float
             shmk_rmsnorm(k, NULL, L->k_norm, L->hk, d, L->eps, k);
         }
     }
-    shmk_rope_qkv(S->qkv, S->positions, t, L->hq, L->hk, d, S->cos_sin, S->max_pos);
+    if (L->rope) shmk_rope_qkv(S->qkv, S->positions, t, L->hq, L->hk, d, S->cos_sin, S->max_pos);
     shmk_write_kv_qkv(S->qkv, S->slots, t, L->hq, kv);
     shmk_attention_impl(S->qkv, (L->hq + 2 * L->hk) * d, kv, S->block_table, S->max_blocks,
                         S->seq_lens, S->query_start_loc, S->b, L->hq, S->scale, S->attn);

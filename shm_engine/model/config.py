@@ -16,12 +16,15 @@ if TYPE_CHECKING:
     import torch
 
 # Architectures that share the Llama block (pre-norm, RMSNorm, GQA attention, SwiGLU MLP).
-# Qwen3 adds an RMSNorm over each query and key head before RoPE (qk_norm).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Qwen3 adds an RMSNorm over each query and key head before RoPE (qk_norm); SmolLM3 leaves RoPE
+# out of some layers (nope_layers).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-# The architectures whose sliding window follows Qwen2's rules (use_sliding_window, ...).
-_QWEN_ARCHS = ("qwen2", "qwen3")
+_HF_MODEL_TYPES = {a: a for a in SUPPORTED_ARCHITECTURES}
+# The architectures that slide only with use_sliding_window (Qwen2's rule).
+_OPT_IN_WINDOW_ARCHS = ("qwen2", "qwen3", "smollm3")
+# llama.cpp's SmolLM3 graph: every 4th layer has no RoPE (GGUF files do not say it)
+_SMOLLM3_NOPE_INTERVAL = 4
 # what each supported rope_scaling kind reads (llama3's original context defaults, as in HF)
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
@@ -31,7 +34,7 @@ _ROPE_SCALING_KEYS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" (also SmolLM), "mistral", "qwen2" or "qwen3"
+    architecture: str  # "llama" (also SmolLM2), "mistral", "qwen2", "qwen3" or "smollm3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,6 +54,8 @@ class ModelConfig:
     # llama.cpp stores Llama-3 RoPE scaling as per-frequency divisors (`rope_freqs.weight`)
     # instead of the HF rope_scaling dict; kept here so inv_freq() is right for such files.
     rope_freq_factors: tuple[float, ...] | None = None
+    # layers whose attention has no RoPE (SmolLM3's NoPE layers: positions come from the mask)
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -69,6 +74,9 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "nope_layers", tuple(sorted(set(self.nope_layers))))
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {self.nope_layers} past the {self.num_layers} layers")
         self._rope_kind()  # an unsupported rope_scaling fails here, not after packing the weights
 
     # ------------------------------------------------------------------ derived values
@@ -79,6 +87,9 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def rope_in_layer(self, i: int) -> bool:
+        return i not in self.nope_layers
 
     @property
     def qk_norm(self) -> bool:
@@ -181,12 +192,14 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             sliding_window=sliding,
+            nope_layers=_hf_nope_layers(cfg, arch, num_layers),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that from_hf_config() parses back to an equal config."""
         names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
         out: dict[str, Any] = {
             "architectures": [names[self.architecture]],
             "model_type": self.architecture,
@@ -210,9 +223,13 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
+        if self.architecture == "smollm3":
+            out["no_rope_layers"] = [int(self.rope_in_layer(i)) for i in range(self.num_layers)]
+        elif self.nope_layers:
+            raise ValueError(f"{self.architecture} has no form for nope_layers in config.json")
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
-            if self.architecture in _QWEN_ARCHS:
+            if self.architecture in _OPT_IN_WINDOW_ARCHS:
                 out["use_sliding_window"] = True
                 out["max_window_layers"] = 0  # every layer slides
         if self.rope_freq_factors is not None:
@@ -275,12 +292,17 @@ class ModelConfig:
         if eot is not None and eot != eos:
             eos = (int(eos), int(eot)) if eos is not None else int(eot)
         sliding = key("attention.sliding_window")
+        layers = need("block_count")
+        nope = ()
+        if arch == "smollm3":
+            nope = tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NOPE_INTERVAL == 0)
         return cls(
+            nope_layers=nope,
             architecture=arch,
             vocab_size=int(vocab_size),
             hidden_size=hidden,
             intermediate_size=need("feed_forward_length"),
-            num_layers=need("block_count"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -345,6 +367,20 @@ def _check_hf_features(cfg: Mapping[str, Any], arch: str) -> None:
         raise NotImplementedError(f"attention_bias=true on a {arch} model is not supported")
 
 
+def _hf_nope_layers(cfg: Mapping[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` flags (1: RoPE, as transformers reads
+    them), or by default every ``no_rope_layer_interval``-th layer."""
+    if arch != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(i for i, rope in enumerate(flags) if not rope)
+
+
 def _hf_sliding_window(cfg: Mapping[str, Any], arch: str, num_layers: int) -> int | None:
     """The attention window transformers applies, or None for full attention everywhere.
 
@@ -356,10 +392,12 @@ def _hf_sliding_window(cfg: Mapping[str, Any], arch: str, num_layers: int) -> in
     window = cfg.get("sliding_window")
     if arch == "llama" or not window:
         return None
-    if arch in _QWEN_ARCHS and not cfg.get("use_sliding_window", False):
+    if arch in _OPT_IN_WINDOW_ARCHS and not cfg.get("use_sliding_window", False):
         return None
     kinds = cfg.get("layer_types")
-    if kinds is None and arch in _QWEN_ARCHS:
+    if kinds is None and arch == "smollm3":
+        raise NotImplementedError("a SmolLM3 sliding window needs its layer_types")
+    if kinds is None and arch in _OPT_IN_WINDOW_ARCHS:
         first = int(cfg.get("max_window_layers", 28))  # transformers' default
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
     kinds = set(kinds or ["sliding_attention"])

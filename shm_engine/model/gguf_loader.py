@@ -25,7 +25,7 @@ from .loader import LoadedModel, WeightSource, check_weights, file_fingerprint
 log = logging.getLogger(__name__)
 
 # architectures whose Q/K rows llama.cpp's converter permutes for interleaved RoPE
-_PERMUTED_QK_ARCHS = {"llama"}
+_PERMUTED_QK_ARCHS = {"llama", "smollm3"}  # the converter's SmolLM3 class is its Llama one
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -132,7 +132,7 @@ class Int8Llama:
         for i in range(c.num_layers):
             lw = self._layer_weights(weights, i)
             if self.smoothed:
-                probe = self._pack_layer(lw, probe=True)
+                probe = self._pack_layer(lw, c.rope_in_layer(i), probe=True)
                 if calib is None:
                     # positions past the RoPE table (or a sliding window) would not run
                     limit = min(c.max_position_embeddings, c.sliding_window or 1 << 62)
@@ -142,7 +142,7 @@ class Int8Llama:
                 act_max = calib.maxima(probe)
                 del probe  # NOTE: before the real packing: the load's peak RSS is a layer's
                 smooth_layer(lw, act_max, c.num_heads, c.num_kv_heads, c.head_dim)
-            layer = self._pack_layer(lw)
+            layer = self._pack_layer(lw, c.rope_in_layer(i))
             if calib is not None:
                 calib.advance(layer)
             self.layers.append(layer)
@@ -196,7 +196,7 @@ class Int8Llama:
             down=own("mlp.down_proj.weight"),
         )
 
-    def _pack_layer(self, lw: LayerWeights, probe: bool = False) -> kernels.LlamaLayer:
+    def _pack_layer(self, lw: LayerWeights, rope: bool, probe: bool = False) -> kernels.LlamaLayer:
         """The layer packed into the arena, or (``probe``) a heap copy on int16 activations on
         every path, for calibration."""
         c = self.config
@@ -219,6 +219,7 @@ class Int8Llama:
             post_norm=lw.post_norm,
             q_norm=lw.q_norm,
             k_norm=lw.k_norm,
+            rope=rope,
             qkv=pack(lw.qkv, lw.qkv_bias),
             o=pack(lw.o),
             gate_up=pack(lw.gate_up),

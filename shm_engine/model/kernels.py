@@ -747,7 +747,8 @@ class LlamaLayer:
     """Packed weights of one Llama-family decoder layer for ``llama_layer_forward``.
 
     qkv rows are [q (hq*d) | k (hk*d) | v (hk*d)], gate_up rows are [gate (ffn) | up (ffn)].
-    ``q_norm``, ``k_norm`` [d]: Qwen3's RMSNorm of each query and key head before RoPE.
+    ``q_norm``, ``k_norm`` [d]: Qwen3's RMSNorm of each query and key head before RoPE;
+    ``rope`` false: none (SmolLM3's NoPE layers).
     """
 
     def __init__(
@@ -767,6 +768,7 @@ class LlamaLayer:
         down: PackedLinear,
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
+        rope: bool = True,
     ):
         hq, hk, d = num_heads, num_kv_heads, head_dim
         if hq % hk:
@@ -811,6 +813,8 @@ class LlamaLayer:
             c.q_norm, c.k_norm = _f32(norms[2]), _f32(norms[3])
         else:
             c.q_norm = c.k_norm = ffi.NULL
+        self.rope = bool(rope)
+        c.rope = int(self.rope)
         c.qkv, c.o, c.gate_up, c.down = qkv._c[0], o._c[0], gate_up._c[0], down._c[0]
         self._c = c
 

@@ -1,4 +1,4 @@
-"""Plain fp32 torch forward of the Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3).
+"""Plain fp32 torch forward of the Llama family (Llama, SmolLM2/3, Mistral, Qwen2, Qwen3).
 
 Written to be obviously correct rather than fast: it is the yardstick for the int8 runner's
 error bounds and the fp32 baseline in benchmarks. Weights use Hugging Face names and layouts;
@@ -118,8 +118,9 @@ class ReferenceModel:
             if c.qk_norm:  # Qwen3: each head normalised before RoPE
                 q = rms_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
                 k = rms_norm(k, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            if c.rope_in_layer(i):  # SmolLM3's NoPE layers have none
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
             if cache is not None:
                 cache.k[i][:, start : start + t] = k
                 cache.v[i][:, start : start + t] = v

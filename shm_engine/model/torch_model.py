@@ -63,7 +63,8 @@ class TorchLlama:
             if c.qk_norm:
                 q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
                 k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if c.rope_in_layer(i):
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self._write_kv(k, v, batch.slot_mapping, k_cache, v_cache)
             attn = self._attention(q, k_cache, v_cache, batch)
             x = x + self._linear(attn.reshape(-1, c.q_size), p + "self_attn.o_proj")

@@ -227,9 +227,9 @@ def write_tiny_gguf(
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{_GGUF_NAMES[rest]}"
-            if arch == "llama" and rest.startswith("self_attn.q_proj"):
+            if arch in ("llama", "smollm3") and rest.startswith("self_attn.q_proj"):
                 a = llama_cpp_permute(a, config.num_heads)
-            elif arch == "llama" and rest.startswith("self_attn.k_proj"):
+            elif arch in ("llama", "smollm3") and rest.startswith("self_attn.k_proj"):
                 a = llama_cpp_permute(a, config.num_kv_heads)
         if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)

@@ -128,8 +128,10 @@ def _assert_same_weights(a, b, exact: bool = True, atol: float = 0.0) -> None:  
         {"tie_word_embeddings": False},
         {"architecture": "qwen2", "attention_bias": True},
         {"architecture": "qwen3", "head_dim": 24},
+        # llama.cpp's SmolLM3: Q/K permuted as Llama's, every 4th layer without RoPE
+        {"architecture": "smollm3", "num_layers": 4, "nope_layers": (3,)},
     ],
-    ids=["llama-tied", "llama-untied", "qwen2-bias", "qwen3-qknorm"],
+    ids=["llama-tied", "llama-untied", "qwen2-bias", "qwen3-qknorm", "smollm3-nope"],
 )
 def test_tiny_gguf_and_hf_paths_agree(tmp_path: Path, overrides: dict) -> None:
     config = tiny_config(**overrides)

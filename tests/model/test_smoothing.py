@@ -98,7 +98,7 @@ def test_native_layers_record_their_linear_inputs():
         "mlp.down_proj.weight",
     )])  # fmt: skip
     int8 = Int8Llama(config, weights)
-    probe = int8._pack_layer(int8._layer_weights(weights, 0), probe=True)
+    probe = int8._pack_layer(int8._layer_weights(weights, 0), rope=True, probe=True)
     hidden = int8.embedding.lookup(torch.tensor(ids))
     got = LayerCalibrator(hidden, probe, int8.cos_sin, int8.scale).maxima(probe)
     assert got.shape == want.shape

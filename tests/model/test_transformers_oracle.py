@@ -69,6 +69,18 @@ VARIANTS: dict[str, tuple[str, dict, torch.dtype, str | None]] = {
         torch.float32,
         None,
     ),
+    # No RoPE in every second layer (SmolLM3-3B: every fourth), a 4:1 GQA.
+    "smollm3-nope-tied": (
+        "SmolLM3ForCausalLM",
+        {
+            "no_rope_layer_interval": 2,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
+        torch.float32,
+        None,
+    ),
     # A window smaller than SEQ_LEN, so the mask differs from causal past position 16.
     "mistral-sliding-window": (
         "MistralForCausalLM",
