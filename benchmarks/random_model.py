@@ -33,6 +33,12 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6, max_position_embeddings=32768, tie_word_embeddings=True,
         attention_bias=True,
     ),
+    "smollm3-3b": dict(
+        architecture="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+        num_layers=36, num_heads=16, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=5e6, max_position_embeddings=65536, tie_word_embeddings=True,
+        nope_layers=tuple(range(3, 36, 4)),
+    ),
     "llama-3.2-1b": dict(
         architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,

@@ -69,6 +69,7 @@ def test_random_model_presets_have_the_published_shapes(tmp_path: Path) -> None:
     assert millions["qwen3-0.6b"] == pytest.approx(596, abs=1)
     assert millions["qwen2.5-0.5b"] == pytest.approx(494, abs=1)
     assert millions["llama-3.2-1b"] == pytest.approx(1236, abs=1)
+    assert millions["smollm3-3b"] == pytest.approx(3075, abs=1)
     small = ModelConfig(**{**PRESETS["qwen3-0.6b"], "vocab_size": 300, "num_layers": 1,
                            "hidden_size": 64, "intermediate_size": 96, "head_dim": 32})  # fmt: skip
     weights = random_weights(small)
