@@ -23,7 +23,19 @@ from shm_engine.model.tokenizer import template_kwargs, text_parts
 from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """OpenAI's schema makes fields nullable and its client sends ``null`` for a None
+    argument: null means the default (as in vLLM), not a type error."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far too
     continuous_usage_stats: bool = False
@@ -60,21 +72,12 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_NullIsDefault):
     """Fields shared by completions and chat completions."""
 
     # NOTE: "allow" keeps unknown fields in model_extra, where unsupported vLLM ones are found.
     model_config = ConfigDict(extra="allow")
     _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_FIELDS
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI's schema makes these fields nullable and its client sends ``null`` for a
-        None argument: null means the default (as in vLLM), not a type error."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
     model: str | None = None
     n: int = 1
@@ -572,6 +575,7 @@ class _BodyShape(msgspec.Struct):
     allowed_token_ids: list[msgspec.Raw] | None = None
     bad_words: list[msgspec.Raw] | None = None
     logit_bias: dict[str, msgspec.Raw] | None = None
+    truncate_prompt_tokens: msgspec.Raw | None = None
 
 
 _BODY_SHAPE = msgspec.json.Decoder(_BodyShape)
@@ -595,6 +599,7 @@ def screen_counts(body: bytes) -> dict[str, int] | None:
         )
     }  # fmt: skip
     counts["stop"] = 1 if isinstance(shape.stop, str) else len(shape.stop or ())
+    counts["truncating"] = int(shape.truncate_prompt_tokens not in (None, b"null"))
     return counts
 
 

@@ -168,9 +168,25 @@ def _usage(prompts: list[_Prompt], generated: bool = True) -> dict[str, Any]:
     }
 
 
+def _chunk_usage(p: _Prompt, out: RequestOutput | None) -> dict[str, int]:
+    """vLLM's continuous usage stats: the usage so far of the prompt a chunk belongs to (its
+    choices' tokens; none before the first or for an echo)."""
+    prompt = len(p.token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
 def _finish_reason(c: CompletionOutput) -> str | None:
     r = c.finish_reason
     return None if r is None else ("stop" if r in ("stop", "abort") else r)
+
+
+def _special_head(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before a text (a BOS), kept by truncation."""
+    bare = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    return full[: len(full) - len(bare)] if full[len(full) - len(bare) :] == bare else []
 
 
 # --------------------------------------------------------------------------- the server
@@ -206,6 +222,7 @@ class OpenAIServer:
         self.logprobs = LogprobFormatter(self.tokens)
         # A longer prompt cannot fit in the context, however it tokenizes.
         self.max_prompt_chars = engine.max_model_len * self.tokens.max_token_chars
+        self._special_head = _special_head(self.tokenizer)
 
     # ------------------------------------------------------------------ helpers
 
@@ -223,7 +240,7 @@ class OpenAIServer:
             if counts[name] > cap:
                 return f"{name} takes at most {cap} entries, got {counts[name]}"
         limit, messages = self.engine.max_model_len, counts["messages"]
-        if path != "/v1/chat/completions" or messages <= limit:
+        if path != "/v1/chat/completions" or messages <= limit or counts["truncating"]:
             return None
         return (
             f"This model's maximum context length is {limit} tokens, but the conversation has "
@@ -259,49 +276,77 @@ class OpenAIServer:
         )
 
     def _tokenize(
-        self, text: str, add_special_tokens: bool, in_thread: bool, limit: bool = True
+        self, text: str, add_special_tokens: bool, in_thread: bool, keep: int | None = None
     ) -> list[int]:
-        """``limit``: refuse a text too long for the context first (not when it is truncated)."""
-        if limit:
+        """``keep``: only the last ``keep`` tokens are wanted (truncate_prompt_tokens); else a
+        text too long for the context is refused first."""
+        if keep is None:
             self._check_chars(text)
+        else:
+            text = self._text_tail(text, keep)
         if not in_thread:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        # NOTE: encode_batch, not encode: only the batch call releases the GIL while the Rust
-        # tokenizer runs, so only it lets the event loop go on next to this worker thread.
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            # NOTE: encode_batch, not encode: only the batch call releases the GIL while the
+            # Rust tokenizer runs, so only it lets the event loop go on next to this thread.
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return ids if keep is None else self._keep_last(ids, keep, add_special_tokens)
 
-    def _tokenize_all(self, texts: list[str], limit: bool = True) -> list[list[int]]:
+    def _tokenize_all(self, texts: list[str], keep: int | None = None) -> list[list[int]]:
         """Completion prompts' ids, in a worker thread: every length is checked first, so a
         too-long last prompt is refused before the others are paid for."""
-        for text in texts if limit else ():
+        if keep is not None:
+            texts = [self._text_tail(text, keep) for text in texts]
+        for text in texts if keep is None else ():
             self._check_chars(text)
-        return self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        rows = self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        return rows if keep is None else [self._keep_last(ids, keep, True) for ids in rows]
 
-    async def _encode(self, texts: list[str], limit: bool = True) -> list[list[int]]:
+    async def _encode(self, texts: list[str], keep: int | None = None) -> list[list[int]]:
         """Completion prompts' ids; long ones (in total) are tokenized in a worker thread."""
         # NOTE: the total decides: thousands of prompts each under the limit had stalled the
         # event loop (every stream, /health) for seconds.
         if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            return [self._tokenize(text, True, in_thread=False, limit=limit) for text in texts]
-        return await asyncio.to_thread(self._tokenize_all, texts, limit)
+            return [self._tokenize(text, True, in_thread=False, keep=keep) for text in texts]
+        return await asyncio.to_thread(self._tokenize_all, texts, keep)
 
-    def _truncate(
-        self, req: CompletionRequest | ChatCompletionRequest, ids: list[int], params: SamplingParams
-    ) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as leave room
-        for max_tokens, or one token, in the context)."""
+    def _kept_tokens(
+        self, req: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+    ) -> int | None:
+        """How many prompt tokens vLLM's truncate_prompt_tokens keeps (None: no truncation).
+
+        -1: as many as leave room for an explicit max_tokens, else one token (a default
+        max_tokens is then cut to the room left, as for any prompt)."""
         k = req.truncate_prompt_tokens
         if k is None:
-            return ids
+            return None
         limit = self.engine.max_model_len
         if k == -1:
-            k = max(1, limit - (params.max_tokens or 1))
-        elif k > limit:
+            room = 1 if req.max_tokens_unset else (params.max_tokens or 1)
+            return max(1, limit - room)
+        if k > limit:
             raise bad_request(
                 f"truncate_prompt_tokens ({k}) is larger than the context ({limit} tokens)",
                 "truncate_prompt_tokens",
             )
-        return ids[-k:]
+        return k
+
+    def _text_tail(self, text: str, keep: int) -> str:
+        """The end of a text that still holds more than ``keep`` tokens: a 30 MB prompt cut to
+        a few tokens had been tokenized whole (a minute of a core). Every token has at most
+        max_token_chars characters; 64 tokens to spare keep the cut's word out of the end."""
+        chars = (keep + 64) * self.tokens.max_token_chars
+        return text if len(text) <= chars else text[-chars:]
+
+    def _keep_last(self, ids: list[int], keep: int, added: bool) -> list[int]:
+        """The last ``keep`` ids, after the special tokens the tokenizer put in front (a
+        BOS), as transformers truncates from the left."""
+        if len(ids) <= keep:
+            return ids
+        head = self._special_head if added else []
+        if head and keep > len(head) and ids[: len(head)] == head:
+            return head + ids[len(ids) - (keep - len(head)) :]
+        return ids[-keep:]
 
     def _chat_text(self, req: ChatTemplateFields) -> str:
         return self.tokenizer.apply_chat_template(
@@ -313,10 +358,11 @@ class OpenAIServer:
             **req.template_kwargs(),
         )
 
-    def _render_chat(self, req: ChatCompletionRequest, in_thread: bool) -> tuple[str, list[int]]:
+    def _render_chat(
+        self, req: ChatCompletionRequest, in_thread: bool, keep: int | None
+    ) -> tuple[str, list[int]]:
         text = self._chat_text(req)
-        limit = req.truncate_prompt_tokens is None
-        return text, self._tokenize(text, False, in_thread, limit)
+        return text, self._tokenize(text, False, in_thread, keep)
 
     async def _prompts_from_completion(
         self, req: CompletionRequest, params: SamplingParams
@@ -338,8 +384,8 @@ class OpenAIServer:
             )
         prompts = []
         base = f"cmpl-{uuid.uuid4().hex[:24]}"
-        truncating = req.truncate_prompt_tokens is not None
-        encoded = iter(await self._encode([x for x in raw if isinstance(x, str)], not truncating))
+        keep = self._kept_tokens(req, params)
+        encoded = iter(await self._encode([x for x in raw if isinstance(x, str)], keep))
         for i, item in enumerate(raw):
             if isinstance(item, str):
                 text, ids = item, next(encoded)
@@ -349,9 +395,9 @@ class OpenAIServer:
                 except ValueError as e:
                     raise bad_request(str(e), "prompt") from None
                 text, ids = None, list(item)
-            if truncating:
+            if keep is not None:
                 # NOTE: the echo then decodes the tokens the model saw (text None)
-                text, ids = None, self._truncate(req, ids, params)
+                text, ids = None, self._keep_last(ids, keep, added=False)
             fitted = self._fit_default_max_tokens(req, ids, params)
             self.engine.check_prompt(ids, fitted)
             prompts.append(_Prompt(text, ids, fitted, f"{base}-{i}", req.priority, req.cache_salt))
@@ -361,12 +407,13 @@ class OpenAIServer:
         self, req: ChatCompletionRequest, params: SamplingParams
     ) -> _Prompt:
         """The templated prompt; a long conversation is rendered and tokenized in a thread."""
+        keep = self._kept_tokens(req, params)
         if req.template_chars() <= INLINE_TOKENIZE_CHARS:
-            text, ids = self._render_chat(req, in_thread=False)
+            text, ids = self._render_chat(req, False, keep)
         else:
-            text, ids = await asyncio.to_thread(self._render_chat, req, True)
-        if req.truncate_prompt_tokens is not None:
-            text, ids = None, self._truncate(req, ids, params)
+            text, ids = await asyncio.to_thread(self._render_chat, req, True, keep)
+        if keep is not None:
+            text = None  # the prompt is the kept tokens
         params = self._fit_default_max_tokens(req, ids, params)
         self.engine.check_prompt(ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -610,7 +657,8 @@ class OpenAIServer:
                             lp = self.logprobs.prompt(out, prefix, echo_skip, req.logprobs)
                         echoed = [{"index": i * n + j, "text": prefix, "logprobs": lp,
                                    "finish_reason": None} for j in range(n)]  # fmt: skip
-                        yield chunk(echoed)
+                        usage = _chunk_usage(p, None) if req.continuous_usage else None
+                        yield chunk(echoed, usage)
                 if req.echo_only:
                     choices = self._echo_only_ends(i * n, out, p.choices)
                 else:
@@ -620,7 +668,9 @@ class OpenAIServer:
                         if (d := self._completion_delta(i * n, c, p.choices[c.index], hold, params))
                     ]
                 if choices:
-                    usage = _usage(prompts) if req.continuous_usage else None
+                    usage = None
+                    if req.continuous_usage:
+                        usage = _chunk_usage(p, None if req.echo_only else out)
                     yield chunk(choices, usage)
             if req.include_usage:
                 yield chunk([], _usage(prompts, generated=not req.echo_only))
@@ -704,7 +754,7 @@ class OpenAIServer:
         role: bytes | None = chunk(
             [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None} for j in range(params.n)],
-            _usage([p]) if req.continuous_usage else None,
+            _chunk_usage(p, None) if req.continuous_usage else None,
         )  # fmt: skip
         try:
             p.choices = [self._chat_choice(p, tools) for _ in range(params.n)]
@@ -714,7 +764,7 @@ class OpenAIServer:
                     for c in out.outputs
                     if (d := self._chat_delta(c, p.choices[c.index], hold, params, tools))
                 ]
-                usage = _usage([p]) if req.continuous_usage else None
+                usage = _chunk_usage(p, out) if req.continuous_usage else None
                 data = chunk(choices, usage) if choices else b""
                 if role is not None:
                     data, role = role + data, None  # one write: the role, then the first text

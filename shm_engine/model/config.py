@@ -162,7 +162,10 @@ class ModelConfig:
         _check_hf_features(cfg, arch)
         num_layers = int(cfg["num_hidden_layers"])
         sliding = _hf_sliding_window(cfg, arch, num_layers)
-        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+        # transformers' defaults where config.json leaves a key out (it writes none that equal
+        # them): SmolLM3 is tied, with theta 2e6
+        theta = cfg.get("rope_theta", 2e6 if arch == "smollm3" else 10000.0)
+        scaling = cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")
         if params and any(isinstance(v, Mapping) for v in params.values()):
             # Keyed by layer type ({"full_attention": {...}, "sliding_attention": {...}}).
@@ -187,7 +190,7 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "smollm3")),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
@@ -376,9 +379,9 @@ def _hf_nope_layers(cfg: Mapping[str, Any], arch: str, num_layers: int) -> tuple
     if flags is None:
         every = int(cfg.get("no_rope_layer_interval", 4))
         flags = [int((i + 1) % every != 0) for i in range(num_layers)]
-    if len(flags) != num_layers:
+    if len(flags) < num_layers:  # transformers reads the first num_layers
         raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
-    return tuple(i for i, rope in enumerate(flags) if not rope)
+    return tuple(i for i, rope in enumerate(flags[:num_layers]) if not rope)
 
 
 def _hf_sliding_window(cfg: Mapping[str, Any], arch: str, num_layers: int) -> int | None:

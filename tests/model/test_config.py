@@ -239,3 +239,16 @@ def test_qwen3_head_dim_defaults_to_128_as_transformers() -> None:
            "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8}  # fmt: skip
     assert ModelConfig.from_hf_config(cfg).head_dim == 128
     assert ModelConfig.from_hf_config({**cfg, "model_type": "qwen2"}).head_dim == 64
+
+
+def test_smollm3_defaults_are_transformers_where_config_json_is_silent() -> None:
+    """transformers leaves out keys equal to the class defaults: SmolLM3 is tied, theta 2e6,
+    and a no_rope_layers list may be longer than the layers (its first entries count)."""
+    cfg = {"model_type": "smollm3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    c = ModelConfig.from_hf_config(cfg)
+    assert c.tie_word_embeddings and c.rope_theta == 2e6 and c.nope_layers == (3,)
+    c = ModelConfig.from_hf_config({**cfg, "no_rope_layers": [1, 0, 1, 1, 0, 0]})
+    assert c.nope_layers == (1,)
+    with pytest.raises(ValueError, match="entries"):
+        ModelConfig.from_hf_config({**cfg, "no_rope_layers": [1, 0]})

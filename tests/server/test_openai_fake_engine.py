@@ -1087,3 +1087,75 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(fake) -> Non
         body["stream_options"] = {"include_usage": True}
         with client.stream("POST", path, json=body) as r:
             assert [("usage" in e) for e in sse(r)][-2:] == [False, True]
+
+
+def test_truncation_keeps_a_bos_reads_only_a_prompts_tail_and_leaves_fitting_prompts(
+    monkeypatch,
+) -> None:
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    tok.backend.post_processor = processors.TemplateProcessing(
+        single="<|end|> $A", special_tokens=[("<|end|>", 258)]
+    )
+    engine = FakeEngine(max_model_len=64, tokenizer=tok)
+    engine.sampling_defaults = {"max_tokens": 64}  # a model default, cut to the room left
+    seen, encoded = [], []
+    encode = tok.encode
+
+    def recording_encode(text, add_special_tokens=True):
+        encoded.append(len(text))
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(tok, "encode", recording_encode)
+
+    def script(ids, params):
+        seen.append(list(ids))
+        return replay(tok, "ok", None, lp=False)
+
+    engine.script = script
+    with serve_fake(monkeypatch, engine) as client:
+        # transformers truncates from the left after the BOS it adds (vLLM's result)
+        body = {"prompt": "0123456789", "max_tokens": 2, "truncate_prompt_tokens": 4}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert seen[-1] == [258, *b"789"]
+        # -1 under a model-default max_tokens: a prompt that fits is left whole
+        short = {"prompt": "short", "truncate_prompt_tokens": -1}
+        assert client.post("/v1/completions", json=short).status_code == 200
+        assert seen[-1] == [258, *b"short"]
+        # a huge prompt: only its tail is tokenized
+        encoded.clear()
+        huge = {"prompt": "y" * 1_500, "max_tokens": 2, "truncate_prompt_tokens": 4}
+        assert client.post("/v1/completions", json=huge).status_code == 200
+        assert len(seen[-1]) == 4 and max(encoded) < 1_500
+
+
+def test_continuous_usage_is_the_chunks_own_prompt_and_choices(fake) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "abcd", None, lp=False)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": ["hi", "hello there"], "max_tokens": 4, "stream": True, "echo": True,
+            "stream_options": options}  # fmt: skip
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = sse(r)
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        prompt_tokens = 2 if choice["index"] == 0 else 11
+        assert e["usage"]["prompt_tokens"] == prompt_tokens, e
+        if choice["text"] in ("hi", "hello there"):  # the echo
+            assert e["usage"]["completion_tokens"] == 0
+    assert events[-1]["usage"]["prompt_tokens"] == 13
+    # null stream options mean their defaults
+    null = {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": None}}
+    with client.stream("POST", "/v1/completions", json=null) as r:
+        assert r.status_code == 200 and sse(r)
+
+
+def test_a_large_chat_body_that_truncation_serves_is_not_refused(fake) -> None:
+    client, engine = fake  # max_model_len 64
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ok", None, lp=False)
+    many = [{"role": "user", "content": "z" * 16_000}] * 70  # > 1 MB: screened
+    body = {"messages": many, "max_tokens": 2, "truncate_prompt_tokens": 8}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    body.pop("truncate_prompt_tokens")
+    assert client.post("/v1/chat/completions", json=body).status_code == 400
