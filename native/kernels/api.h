@@ -55,6 +55,9 @@ typedef struct {
      * gemm_a8.c, which rotates each 32 k of the activations by H and quantises them to 8 bits,
      * a scale per group (on path vnni faster than the int16 kernel, at a cost in accuracy) */
     int act8;
+    /* non-NULL: W4 weights (packed by shmk_pack_rows_w4; packed then holds nibbles), w = s u + m
+     * with these group minimums m (fp16 bits, signed, times scale_mult) */
+    const uint16_t *mins;
 } shmk_linear_t;
 
 /* rows from which act_bf16 weights take the bf16 AMX kernel (SHMK_AMX_MIN_M) */
@@ -69,6 +72,24 @@ void shmk_gemm_group_dots(const int16_t *xq, int64_t m, const shmk_linear_t *w, 
 void shmk_dequant_channels(const shmk_linear_t *w, const int64_t *ids, int64_t t, float *out);
 /* y[m,n] = x @ dequant(W)^T (+ bias), via per-row int16 quantisation of x */
 void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
+
+/* ---- W4 (group-32, affine) weights (w4.c): w[j][k] = s[j][g] u[j][k] + m[j][g], u in [0, 15]
+ *   packed [nb][kp/32][4 nibble rows][64 bytes]: byte i of nibble row p holds byte i of the W8
+ *   layout's quad row p (low nibble) and of quad row p + 4 (high nibble), as u values;
+ *   scales, mins fp16 bits [nb][kp/32][16], both signed; real = fp16 * scale_mult.
+ * Per group the better (least squares) of the min/max grid (llama.cpp's Q4_1) and the
+ * symmetric one about the largest |w| (Q4_0), so tensors a GGUF file stores as Q4_0 or Q4_1
+ * come back exact.  shmk_linear runs them: each group's dot of u is exact int32 as for W8,
+ *   acc = fmaf((float)dot, s, acc); acc = fmaf((float)xsum, m, acc)
+ * with xsum the group's sum of the row's int16 activations (exact). */
+size_t shmk_packed_bytes_w4(int64_t n, int64_t k);
+/* as shmk_pack_rows (chunks of 16 rows at a time pack what one call does); returns scale_mult */
+float shmk_pack_rows_w4(const float *w, int64_t n, int64_t k, float amax, uint8_t *packed,
+                        uint16_t *scales, uint16_t *mins);
+/* u [n][k] and the real group scales and minimums fp32 [n][kp/32] */
+void shmk_unpack_w4(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
+                    float scale_mult, int64_t n, int64_t k, uint8_t *u, float *gscales,
+                    float *gmins);
 
 /* ---- W8 x A8 GEMM (gemm_a8.c) on weights packed rotated, opt-in per weight ---- */
 /* activations: each 32 k (zero padded) times the Walsh-Hadamard matrix H, then

@@ -33,6 +33,41 @@ static inline float shmk_h2f(uint16_t h) {
     return ldexpf(1.f + (float)(h & 1023) / 1024.f, ((h >> 10) & 31) - 15);
 }
 
+/* A non-negative float as fp16 bits, rounded to nearest even; values below the fp16 normal
+ * range flush to 0 (only 0 and normals are ever stored as weight scales). */
+static inline uint16_t shmk_f2h(float f) {
+    if (!(f > 0.f)) return 0;
+    int e;
+    float m = frexpf(f, &e); /* f = m 2^e, m in [0.5, 1) */
+    int E = e + 14;
+    if (E < 1) return 0;
+    uint32_t mi = (uint32_t)nearbyintf((2.f * m - 1.f) * 1024.f);
+    if (mi == 1024) mi = 0, E++;
+    if (E > 30) return 0x7bff;
+    return (uint16_t)((E << 10) | mi);
+}
+
+/* shmk_h2f with the sign bit (W4 group minimums are signed) */
+static inline float shmk_h2f_signed(uint16_t h) {
+    return (h & 0x8000) ? -shmk_h2f(h) : shmk_h2f(h);
+}
+
+/* max(m, |v|) where a NaN v leaves m, as fmaxf(m, fabsf(v)) does (m is never NaN), inline:
+ * GCC calls fmaxf through the PLT at baseline x86-64, once per weight. */
+static inline float shmk_max_abs(float m, float v) {
+    const float a = fabsf(v);
+    return a > m ? a : m;
+}
+
+/* nearbyintf(x) for |x| <= 2^22 and for infinities and NaN, in the default rounding mode:
+ * x + 1.5 * 2^23 lies in [2^23, 2^24), where the float ulp is 1, so the add rounds x half to
+ * even and the subtraction is exact.  NOTE: the libm call (it saves and restores the FP
+ * environment) took ~2/3 of the packing time, ~1.5 s of every engine start. */
+static inline float shmk_rint_small(float x) {
+    const float magic = 0x1.8p23f;
+    return (x + magic) - magic;
+}
+
 /* Current dispatch path (set once from the CPU / SHMK_PATH env, or by shmk_set_path). */
 int shmk_path(void);
 

@@ -88,19 +88,6 @@ size_t shmk_packed_scales(int64_t n, int64_t k) {
     return (size_t)(shmk_cdiv(n, NB) * NB) * (size_t)(shmk_padded_k(k) / GK);
 }
 
-/* ------------------------------------------------------------------ fp16 (normal values only) */
-static uint16_t f2h(float f) { /* f >= 0; values below the fp16 normal range flush to 0 */
-    if (!(f > 0.f)) return 0;
-    int e;
-    float m = frexpf(f, &e); /* f = m 2^e, m in [0.5, 1) */
-    int E = e + 14;
-    if (E < 1) return 0;
-    uint32_t mi = (uint32_t)nearbyintf((2.f * m - 1.f) * 1024.f);
-    if (mi == 1024) mi = 0, E++;
-    if (E > 30) return 0x7bff;
-    return (uint16_t)((E << 10) | mi);
-}
-
 /* ------------------------------------------------------------------ packing */
 static inline int8_t *wq_at(int8_t *p, int64_t G, int64_t j, int64_t kk) {
     int64_t b = j / NB, c = j % NB, g = kk / GK, r = kk % GK;
@@ -115,22 +102,6 @@ typedef struct {
     uint16_t *scales;
 } pack_ctx;
 
-/* max(m, |v|) where a NaN v leaves m, as fmaxf(m, fabsf(v)) does (m is never NaN), inline:
- * GCC calls fmaxf through the PLT at baseline x86-64, once per weight. */
-static inline float max_abs(float m, float v) {
-    const float a = fabsf(v);
-    return a > m ? a : m;
-}
-
-/* nearbyintf(x) for |x| <= 2^22 and for infinities and NaN, in the default rounding mode:
- * x + 1.5 * 2^23 lies in [2^23, 2^24), where the float ulp is 1, so the add rounds x half to
- * even and the subtraction is exact.  NOTE: the libm call (it saves and restores the FP
- * environment) took ~2/3 of the packing time, ~1.5 s of every engine start. */
-static inline float rint_small(float x) {
-    const float magic = 0x1.8p23f;
-    return (x + magic) - magic;
-}
-
 /* One channel's group: its 32 weights (zeros past k) -> fp16 scale and 32 int8, which land in
  * the group's 8 quad rows at 4 bytes each (channel c's bytes 4c .. 4c + 3 of every row).
  * NOTE: written over a local copy in fixed-length loops so GCC vectorises the division and
@@ -138,8 +109,8 @@ static inline float rint_small(float x) {
 static void pack_group(const float *w, int64_t len, float emul, int8_t *rows, uint16_t *scale) {
     float v[GK], amax = 0.f;
     for (int t = 0; t < GK; t++) v[t] = t < len ? w[t] : 0.f;
-    for (int t = 0; t < GK; t++) amax = max_abs(amax, v[t]);
-    const uint16_t h = f2h(amax / 127.f * emul);
+    for (int t = 0; t < GK; t++) amax = shmk_max_abs(amax, v[t]);
+    const uint16_t h = shmk_f2h(amax / 127.f * emul);
     *scale = h;
     const float s = shmk_h2f(h) / emul;
     int8_t q[GK] = {0};
@@ -147,7 +118,7 @@ static void pack_group(const float *w, int64_t len, float emul, int8_t *rows, ui
         for (int t = 0; t < GK; t++) {
             /* |w| <= amax and s >= amax / 127 (1 - 2^-11): |w / s| < 128, well in
              * rint_small's range.  A NaN weight packs as 0 (no NaN -> int cast). */
-            const float r = rint_small(v[t] / s);
+            const float r = shmk_rint_small(v[t] / s);
             q[t] = r == r ? (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r) : 0;
         }
     }
@@ -170,7 +141,7 @@ static void pack_task(void *vctx, int64_t blk, int tid) {
 
 float shmk_weights_amax(const float *w, int64_t numel) {
     float amax = 0.f;
-    for (int64_t i = 0; i < numel; i++) amax = max_abs(amax, w[i]);
+    for (int64_t i = 0; i < numel; i++) amax = shmk_max_abs(amax, w[i]);
     return amax;
 }
 
@@ -323,6 +294,8 @@ typedef struct {
     int64_t m, k, kp, G, n, nb;
     const int8_t *packed;
     const uint16_t *scales;
+    const uint16_t *mins; /* W4 weights (w4.c): packed holds nibbles */
+    const float *xsum;    /* W4: [m][G] each group's sum of the row's xq (exact) */
     float mult;
     const float *bias;
     float *y;          /* float mode */
@@ -333,6 +306,7 @@ typedef struct {
     const float *x;
     int16_t *xq_w;
     float *sx_w;
+    float *xsum_w;
     int64_t rows_per_qtask;
 } gemm_ctx;
 
@@ -343,6 +317,15 @@ static inline void store_dots(const gemm_ctx *c, int64_t i, int64_t blk, int64_t
         c->dots[(i * c->n + blk * NB + ch) * c->G + g] = d[ch];
 }
 
+/* W4: the dots' sum acc continued over the groups (in order) with row i's activation sums
+ * times channel j's minimums, before the scaling (avx2_mins: the same) */
+static inline float add_mins(const gemm_ctx *c, int64_t i, int64_t j, float acc) {
+    const uint16_t *mn = c->mins + (j / NB) * c->G * NB + j % NB;
+    const float *xs = c->xsum + i * c->G;
+    for (int64_t g = 0; g < c->G; g++) acc = fmaf(xs[g], shmk_h2f_signed(mn[g * NB]), acc);
+    return acc;
+}
+
 /* scalar epilogue shared by the paths for one output element */
 static inline void store_one(const gemm_ctx *c, int64_t i, int64_t j, float acc) {
     float v = acc * (c->sx[i] * c->mult);
@@ -351,28 +334,42 @@ static inline void store_one(const gemm_ctx *c, int64_t i, int64_t j, float acc)
     *o = c->accumulate ? *o + v : v;
 }
 
+/* weight (channel ch, k kk) of a block-group: W8 quad rows, or W4 nibble rows (w4.c) */
+static inline int32_t weight_at(const gemm_ctx *c, const int8_t *w, int ch, int kk) {
+    const int64_t at = (kk / 4 % 4) * 4 * NB + 4 * ch + (kk & 3);
+    if (!c->mins) return w[(kk / 4) * 4 * NB + 4 * ch + (kk & 3)];
+    const uint8_t b = (uint8_t)w[at];
+    return kk >= GK / 2 ? b >> 4 : b & 15;
+}
+
+/* store_one after the W4 minimums' terms (add_mins) */
+static inline void store_w4(const gemm_ctx *c, int64_t i, int64_t j, float acc) {
+    store_one(c, i, j, c->mins ? add_mins(c, i, j, acc) : acc);
+}
+
 static void tile_portable(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
-    const int8_t *wb = c->packed + blk * c->G * GBYTES;
+    const int64_t gbytes = c->mins ? GBYTES / 2 : GBYTES;
+    const int8_t *wb = c->packed + blk * c->G * gbytes;
     for (int64_t i = i0; i < i1; i++) {
         const int16_t *x = c->xq + i * c->kp;
         float acc[NB] = {0};
         for (int64_t g = 0; g < c->G; g++) {
             int32_t d[NB] = {0};
-            const int8_t *w = wb + g * GBYTES;
+            const int8_t *w = wb + g * gbytes;
             const int16_t *xg = x + g * GK;
             for (int kk = 0; kk < GK; kk++)
-                for (int ch = 0; ch < NB; ch++)
-                    d[ch] += (int32_t)xg[kk] * w[(kk / 4) * 4 * NB + 4 * ch + (kk & 3)];
+                for (int ch = 0; ch < NB; ch++) d[ch] += (int32_t)xg[kk] * weight_at(c, w, ch, kk);
             if (c->dots) {
                 store_dots(c, i, blk, g, d);
                 continue;
             }
             const uint16_t *s = c->scales + (blk * c->G + g) * NB;
-            for (int ch = 0; ch < NB; ch++) acc[ch] = fmaf((float)d[ch], shmk_h2f(s[ch]), acc[ch]);
+            for (int ch = 0; ch < NB; ch++)
+                acc[ch] = fmaf((float)d[ch], shmk_h2f_signed(s[ch]), acc[ch]);
         }
         if (c->dots) continue;
         for (int64_t ch = 0; ch < NB && blk * NB + ch < c->n; ch++)
-            store_one(c, i, blk * NB + ch, acc[ch]);
+            store_w4(c, i, blk * NB + ch, acc[ch]);
     }
 }
 
@@ -409,6 +406,37 @@ INLINE AVX2_FN void avx2_store(const gemm_ctx *c, int64_t blk, int64_t i, __m256
     _mm256_storeu_ps(y + 8, v1);
 }
 
+/* W4: f[r] = add_mins of rows i0 .. i0 + mr - 1 (mr <= 3), the 16 channels of block blk.
+ * NOTE: the rows share each group's converted minimums, and their chains of fmas overlap: one
+ * row's chain alone, at the store of each row, was latency bound (~4 cycles a group) and cost the
+ * 3-row tiles 10-13 %. */
+INLINE AVX2_FN void avx2_mins(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
+                              float f[][NB]) {
+    const __m128i *mp = (const __m128i *)(c->mins + blk * c->G * NB);
+    const float *xs = c->xsum + i0 * c->G;
+    __m256 a0 = _mm256_load_ps(f[0]), a1 = _mm256_load_ps(f[0] + 8), b0 = a0, b1 = a1, c0 = a0,
+           c1 = a1;
+    if (mr > 1) b0 = _mm256_load_ps(f[1]), b1 = _mm256_load_ps(f[1] + 8);
+    if (mr > 2) c0 = _mm256_load_ps(f[2]), c1 = _mm256_load_ps(f[2] + 8);
+    for (int64_t g = 0; g < c->G; g++) {
+        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(mp + 2 * g));
+        const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(mp + 2 * g + 1));
+        __m256 v = _mm256_broadcast_ss(xs + g);
+        a0 = _mm256_fmadd_ps(v, m0, a0), a1 = _mm256_fmadd_ps(v, m1, a1);
+        if (mr > 1) {
+            v = _mm256_broadcast_ss(xs + c->G + g);
+            b0 = _mm256_fmadd_ps(v, m0, b0), b1 = _mm256_fmadd_ps(v, m1, b1);
+        }
+        if (mr > 2) {
+            v = _mm256_broadcast_ss(xs + 2 * c->G + g);
+            c0 = _mm256_fmadd_ps(v, m0, c0), c1 = _mm256_fmadd_ps(v, m1, c1);
+        }
+    }
+    _mm256_store_ps(f[0], a0), _mm256_store_ps(f[0] + 8, a1);
+    if (mr > 1) _mm256_store_ps(f[1], b0), _mm256_store_ps(f[1] + 8, b1);
+    if (mr > 2) _mm256_store_ps(f[2], c0), _mm256_store_ps(f[2] + 8, c1);
+}
+
 /* acc (+)= madd(broadcast activation pair, widened weights) for one row, both channel halves */
 #define AVX2_ROW(xr, a0, a1)                                                                  \
     do {                                                                                      \
@@ -420,11 +448,17 @@ INLINE AVX2_FN void avx2_store(const gemm_ctx *c, int64_t blk, int64_t i, __m256
     } while (0)
 
 /* 8 channels x 4 k of a quad row (32 bytes) -> [8 channels x k 0,1 | 8 channels x k 2,3] */
-INLINE AVX2_FN __m256i avx2_pairs(const int8_t *src) {
+INLINE AVX2_FN __m256i avx2_pairs(__m256i v) {
     const __m256i lane = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0,
                                           1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    const __m256i t = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)src), lane);
-    return _mm256_permute4x64_epi64(t, 0xD8); /* qwords 0 2 1 3 */
+    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, lane), 0xD8); /* qwords 0 2 1 3 */
+}
+
+/* a quad row's two halves (channels 0-7, 8-15) -> its pair rows at wb (64 bytes) */
+INLINE AVX2_FN void avx2_store_pairs(int8_t *wb, __m256i lo, __m256i hi) {
+    const __m256i a = avx2_pairs(lo), b = avx2_pairs(hi);
+    _mm256_storeu_si256((__m256i *)wb, _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256((__m256i *)(wb + 32), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
 /* wb: the block's weights, as packed (quad rows; one row only) or, pair_rows, rearranged by
@@ -497,6 +531,16 @@ INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, const int8_t *wb
         }
     }
     if (raw) return;
+    if (c->mins) {
+        float f[3][NB] __attribute__((aligned(32)));
+        _mm256_store_ps(f[0], f00), _mm256_store_ps(f[0] + 8, f01);
+        _mm256_store_ps(f[1], f10), _mm256_store_ps(f[1] + 8, f11);
+        _mm256_store_ps(f[2], f20), _mm256_store_ps(f[2] + 8, f21);
+        avx2_mins(c, blk, i0, mr, f);
+        f00 = _mm256_load_ps(f[0]), f01 = _mm256_load_ps(f[0] + 8);
+        f10 = _mm256_load_ps(f[1]), f11 = _mm256_load_ps(f[1] + 8);
+        f20 = _mm256_load_ps(f[2]), f21 = _mm256_load_ps(f[2] + 8);
+    }
     avx2_store(c, blk, i0, f00, f01);
     if (mr > 1) avx2_store(c, blk, i0 + 1, f10, f11);
     if (mr > 2) avx2_store(c, blk, i0 + 2, f20, f21);
@@ -505,11 +549,26 @@ INLINE AVX2_FN void avx2_kernel(const gemm_ctx *c, int64_t blk, const int8_t *wb
 /* the block's G groups in pair rows (16 channels x 2 k, 32 bytes): wb[g][p] */
 AVX2_FN static void avx2_pair_block(const gemm_ctx *c, int64_t blk, int8_t *wb) {
     const int8_t *src = c->packed + blk * c->G * GBYTES;
-    for (int64_t q = 0; q < c->G * (GK / 4); q++) { /* quad row -> pair rows 2q, 2q + 1 */
-        const __m256i a = avx2_pairs(src + q * 64), b = avx2_pairs(src + q * 64 + 32);
-        _mm256_storeu_si256((__m256i *)(wb + q * 64), _mm256_permute2x128_si256(a, b, 0x20));
-        _mm256_storeu_si256((__m256i *)(wb + q * 64 + 32), _mm256_permute2x128_si256(a, b, 0x31));
-    }
+    for (int64_t q = 0; q < c->G * (GK / 4); q++) /* quad row -> pair rows 2q, 2q + 1 */
+        avx2_store_pairs(wb + q * 64, _mm256_loadu_si256((const __m256i *)(src + q * 64)),
+                         _mm256_loadu_si256((const __m256i *)(src + q * 64 + 32)));
+}
+
+/* avx2_pair_block of a W4 block: its u values (0 .. 15) in pair rows, which the W8 tiles read
+ * (avx2_mins adds the minimums).  Nibble row p gives quad rows p (low) and p + 4 (high). */
+AVX2_FN static void avx2_w4_pair_block(const gemm_ctx *c, int64_t blk, int8_t *wb) {
+    const int8_t *src = c->packed + blk * c->G * (GBYTES / 2);
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t g = 0; g < c->G; g++)
+        for (int p = 0; p < 4; p++) {
+            const int8_t *s = src + g * (GBYTES / 2) + p * 64;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)s);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(s + 32));
+            int8_t *o = wb + g * GBYTES + p * 64;
+            avx2_store_pairs(o, _mm256_and_si256(v0, low), _mm256_and_si256(v1, low));
+            avx2_store_pairs(o + 4 * 64, _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                             _mm256_and_si256(_mm256_srli_epi16(v1, 4), low));
+        }
 }
 
 /* NOTE: up to AVX2_QUAD_MAX_M rows read the quad rows as they lie (lane-pair sums, four
@@ -691,9 +750,98 @@ AVX2_FN __attribute__((noinline)) static void avx2_rows3_dots(const gemm_ctx *c,
     avx2_rows3_kernel(c, blk, wb, i, 1);
 }
 
+/* One or two rows of W4 weights read as nibbles (no unpacked copy): each 16 bytes of a nibble
+ * row p widen (vpmovzxbw) to 4 channels x 4 k of quad row p in the low nibbles and of quad row
+ * p + 4 in the high ones, which meet the broadcasts of activations k 4p .. and 4p + 16 .. in the
+ * same accumulators (the lane layout of avx2_kernel's quad-row pass, so its pair sums and
+ * fold).  Two rows share each widened chunk. */
+INLINE AVX2_FN void avx2_w4_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr) {
+    const int8_t *wb = c->packed + blk * c->G * (GBYTES / 2);
+    const int16_t *x[2] = {c->xq + i0 * c->kp, c->xq + (i0 + (mr > 1)) * c->kp};
+    const __m256i low = _mm256_set1_epi16(15);
+    float f[2][NB] __attribute__((aligned(32))) = {{0}};
+    for (int64_t g = 0; g < c->G; g++) {
+        const int8_t *w = wb + g * (GBYTES / 2);
+        const int16_t *xa = x[0] + g * GK, *xb = x[1] + g * GK;
+        __m256i e0 = _mm256_setzero_si256(), e1 = e0, e2 = e0, e3 = e0;
+        __m256i h0 = e0, h1 = e0, h2 = e0, h3 = e0;
+        for (int p = 0; p < 4; p++) {
+            _mm_prefetch((const char *)w + p * 64 + PF_DIST, _MM_HINT_T0);
+            const int8_t *q = w + p * 64; /* four 16-byte chunks: 4 channels x 4 k, two quads */
+            int64_t k4; /* broadcasts of activations k 4p .. 4p + 3 (l) and 4p + 16 .. (h) */
+            memcpy(&k4, xa + 4 * p, 8);
+            const __m256i al = _mm256_set1_epi64x(k4);
+            memcpy(&k4, xa + 4 * p + 16, 8);
+            const __m256i ah = _mm256_set1_epi64x(k4);
+            memcpy(&k4, xb + 4 * p, 8);
+            const __m256i bl = _mm256_set1_epi64x(k4);
+            memcpy(&k4, xb + 4 * p + 16, 8);
+            const __m256i bh = _mm256_set1_epi64x(k4);
+            __m256i v, hi, t;
+            /* NOTE: asm, as avx2_rows2_kernel: from intrinsics GCC spilled the products to the
+             * stack (two rows: 8 sums, 4 broadcasts, the mask and 3 temporaries fill the 16
+             * registers exactly) */
+#define AVX2_NIB1(OFF, E)                                                                     \
+    "vpmovzxbw " #OFF "(%[q]), %[v]\n\t"                                                      \
+    "vpsrlw $4, %[v], %[hi]\n\t"                                                              \
+    "vpand %[low], %[v], %[v]\n\t"                                                            \
+    "vpmaddwd %[al], %[v], %[t]\n\t"                                                          \
+    "vpaddd %[t], %[" #E "], %[" #E "]\n\t"                                                   \
+    "vpmaddwd %[ah], %[hi], %[t]\n\t"                                                         \
+    "vpaddd %[t], %[" #E "], %[" #E "]\n\t"
+#define AVX2_NIB2(OFF, E, H)                                                                  \
+    AVX2_NIB1(OFF, E)                                                                         \
+    "vpmaddwd %[bl], %[v], %[t]\n\t"                                                          \
+    "vpaddd %[t], %[" #H "], %[" #H "]\n\t"                                                   \
+    "vpmaddwd %[bh], %[hi], %[t]\n\t"                                                         \
+    "vpaddd %[t], %[" #H "], %[" #H "]\n\t"
+#define AVX2_NIB_OPS(E, H)                                                                    \
+    : [E] "+x"(E), [H] "+x"(H), [v] "=&x"(v), [hi] "=&x"(hi), [t] "=&x"(t)                   \
+    : [q] "r"(q), [low] "x"(low), [al] "x"(al), [ah] "x"(ah), [bl] "x"(bl), [bh] "x"(bh),     \
+      "m"(*(const char(*)[64])q)
+            if (mr > 1) {
+                __asm__(AVX2_NIB2(0, e0, h0) AVX2_NIB_OPS(e0, h0));
+                __asm__(AVX2_NIB2(16, e1, h1) AVX2_NIB_OPS(e1, h1));
+                __asm__(AVX2_NIB2(32, e2, h2) AVX2_NIB_OPS(e2, h2));
+                __asm__(AVX2_NIB2(48, e3, h3) AVX2_NIB_OPS(e3, h3));
+            } else {
+                __asm__(AVX2_NIB1(0, e0) AVX2_NIB_OPS(e0, h0));
+                __asm__(AVX2_NIB1(16, e1) AVX2_NIB_OPS(e1, h1));
+                __asm__(AVX2_NIB1(32, e2) AVX2_NIB_OPS(e2, h2));
+                __asm__(AVX2_NIB1(48, e3) AVX2_NIB_OPS(e3, h3));
+            }
+#undef AVX2_NIB_OPS
+#undef AVX2_NIB2
+#undef AVX2_NIB1
+        }
+        const __m256i d[2][2] = {{avx2_pair_sum(e0, e1), avx2_pair_sum(e2, e3)},
+                                 {avx2_pair_sum(h0, h1), avx2_pair_sum(h2, h3)}};
+        avx2_group_out(c, blk, g, i0, mr, d, c->dots != NULL, f);
+    }
+    if (c->dots) return;
+    avx2_mins(c, blk, i0, mr, f);
+    for (int r = 0; r < mr; r++)
+        avx2_store(c, blk, i0 + r, _mm256_load_ps(f[r]), _mm256_load_ps(f[r] + 8));
+}
+
+AVX2_FN __attribute__((noinline)) static void avx2_w4_row(const gemm_ctx *c, int64_t blk,
+                                                          int64_t i) {
+    avx2_w4_kernel(c, blk, i, 1);
+}
+
+AVX2_FN __attribute__((noinline)) static void avx2_w4_rows2(const gemm_ctx *c, int64_t blk,
+                                                            int64_t i) {
+    avx2_w4_kernel(c, blk, i, 2);
+}
+
 AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
     int64_t i = i0;
     const int8_t *wb = c->packed + blk * c->G * GBYTES;
+    if (c->mins && i1 - i0 <= AVX2_QUAD_MAX_M) {
+        for (; i + 2 <= i1; i += 2) avx2_w4_rows2(c, blk, i);
+        if (i < i1) avx2_w4_row(c, blk, i);
+        return;
+    }
     if (i1 - i0 <= AVX2_QUAD_MAX_M) {
         if (i1 - i0 == 3) {
             (c->dots ? avx2_rows3_dots : avx2_rows3)(c, blk, wb, i);
@@ -704,7 +852,7 @@ AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_
         return;
     }
     int8_t *pairs = shmk_scratch(5, (size_t)(c->G * GBYTES));
-    avx2_pair_block(c, blk, pairs);
+    (c->mins ? avx2_w4_pair_block : avx2_pair_block)(c, blk, pairs);
     wb = pairs;
     if (c->dots)
         AVX2_TILES(1);
@@ -863,8 +1011,16 @@ static void quant_task(void *vctx, int64_t task, int tid) {
     const gemm_ctx *c = vctx;
     int64_t i0 = task * c->rows_per_qtask, i1 = i0 + c->rows_per_qtask;
     if (i1 > c->m) i1 = c->m;
-    for (int64_t i = i0; i < i1; i++)
-        quant_row(c->path, c->x + i * c->k, c->k, c->kp, c->xq_w + i * c->kp, c->sx_w + i);
+    for (int64_t i = i0; i < i1; i++) {
+        int16_t *q = c->xq_w + i * c->kp;
+        quant_row(c->path, c->x + i * c->k, c->k, c->kp, q, c->sx_w + i);
+        if (!c->xsum_w) continue;
+        for (int64_t g = 0; g < c->G; g++) { /* exact: |sum| <= 32 x 32767 */
+            int32_t s = 0;
+            for (int t = 0; t < GK; t++) s += q[g * GK + t];
+            c->xsum_w[i * c->G + g] = (float)s;
+        }
+    }
 }
 
 /* Work split.  Small M: N only (each thread streams its own weight range once), split as the
@@ -893,6 +1049,7 @@ static void prepare(gemm_ctx *c, const float *x, const int16_t *xq_given) {
     c->sx_w = shmk_scratch(1, (size_t)m * sizeof(float));
     c->xq = c->xq_w;
     c->sx = c->sx_w;
+    if (c->mins) c->xsum = c->xsum_w = shmk_scratch(9, (size_t)(m * c->G) * sizeof(float));
     if (m <= 8) {
         c->rows_per_qtask = m;
         quant_task(c, 0, 0);
@@ -905,8 +1062,11 @@ static void prepare(gemm_ctx *c, const float *x, const int16_t *xq_given) {
 static void init_ctx(gemm_ctx *c, int64_t m, const shmk_linear_t *w) {
     memset(c, 0, sizeof *c);
     c->path = shmk_path() == SHMK_AMX ? SHMK_VNNI : shmk_path(); /* the integer kernels */
+    /* NOTE: W4 runs the AVX2 code on AVX-512 machines too (no VNNI kernel for it yet) */
+    if (w->mins && c->path > SHMK_AVX2) c->path = SHMK_AVX2;
     c->m = m, c->k = w->k, c->kp = shmk_padded_k(w->k), c->G = c->kp / GK, c->n = w->n;
     c->packed = w->packed, c->scales = w->scales, c->mult = w->scale_mult, c->bias = w->bias;
+    c->mins = w->mins;
 }
 
 void shmk_gemm_group_dots(const int16_t *xq, int64_t m, const shmk_linear_t *w, int32_t *dots) {
@@ -923,16 +1083,18 @@ int shmk_amx_bf16_min_rows(void) { return SHMK_AMX_MIN_M; }
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                       int accumulate) {
     if (m <= 0 || w->n <= 0) return;
-    /* NOTE: on every path: act8 weights are packed rotated, which only gemm_a8.c undoes */
-    if (w->act8) {
+    /* NOTE: on every path: act8 weights are packed rotated, which only gemm_a8.c undoes; W4
+     * weights (mins) take the integer kernels below whatever the path */
+    if (w->act8 && !w->mins) {
         shmk_linear_a8_impl(w, x, m, y, accumulate);
         return;
     }
-    if (shmk_path() == SHMK_AMX && m >= SHMK_AMX_MIN_M && w->act_bf16) {
+    const int amx = shmk_path() == SHMK_AMX && !w->mins;
+    if (amx && m >= SHMK_AMX_MIN_M && w->act_bf16) {
         shmk_linear_amx(w, x, m, y, accumulate);
         return;
     }
-    if (shmk_path() == SHMK_AMX && m >= SHMK_AMX8_MIN_M) {
+    if (amx && m >= SHMK_AMX8_MIN_M) {
         shmk_linear_amx8(w, x, m, y, accumulate);
         return;
     }

@@ -265,7 +265,7 @@ shmk_split_plan shmk_split_tiles(int64_t m, int64_t nunits, int nth, int64_t mti
 }
 
 /* ---- thread-local scratch ---- */
-#define NSLOTS 9
+#define NSLOTS 10
 static _Thread_local struct {
     void *p;
     size_t n;

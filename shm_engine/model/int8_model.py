@@ -67,12 +67,15 @@ class Int8Llama:
         kv_cache_dtype: str = "fp16",
         activation_dtype: str = "int16",
         calibration_ids: Sequence[int] | None = None,
+        weight_bits: int = 8,
     ) -> None:
         """``calibration_ids``: tokens of a text (``calibration_ids(tokenizer)``) whose
         activations calibrate SmoothQuant factors folded into each layer's weights at load
         (model/smoothing.py; ~2x the layers' packing time); None packs the weights as they
         are. ``activation_dtype``: "int8" marks the layers' weights for 8-bit activations,
-        which only kernel path "vnni" runs (the others keep int16)."""
+        which only kernel path "vnni" runs (the others keep int16). ``weight_bits``: 4 packs
+        the layers' weights in 4 bits (``PackedLinear.from_float(w4=True)``: exact for tensors a
+        GGUF file holds as Q4_0 / Q4_1); the embedding and LM head stay 8-bit."""
         # NOTE: the native attention has no window. Within the window a sliding-window model
         # attends to everything anyway, so it runs exactly up to that length (the runner caps
         # max_model_len there; forward() refuses longer sequences).
@@ -92,6 +95,11 @@ class Int8Llama:
         # Accuracy: docs/kernels.md, "8-bit activations".
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}")
+        if weight_bits not in (4, 8):
+            raise ValueError(f"weight_bits must be 4 or 8, got {weight_bits}")
+        if weight_bits == 4 and (activation_dtype != "int16" or calibration_ids):
+            raise ValueError("4-bit weights run on int16 activations, unsmoothed")
+        self.weight_bits = weight_bits
         self.smoothed = bool(calibration_ids)
         self.activation_dtype = activation_dtype
         self._act8 = activation_dtype == "int8" and kernels.get_path() == "vnni"
@@ -108,7 +116,7 @@ class Int8Llama:
         c = config
         # NOTE: every packed weight in one huge-page arena (see HugeArena): batch-1 decode is a
         # stream of all of them each step.
-        self._arena = HugeArena(self._arena_bytes(c))
+        self._arena = HugeArena(self._arena_bytes(c, weight_bits == 4))
         # NOTE: vocabulary-sized matrices are packed from chunks of rows (a whole one is 113 MB
         # of fp32 for SmolLM2, which set the peak RSS of loading).
         emb_name = "model.embed_tokens.weight"
@@ -152,11 +160,11 @@ class Int8Llama:
         self._stack: kernels.LlamaStack | None = None
 
     @staticmethod
-    def _arena_bytes(c: ModelConfig) -> int:
+    def _arena_bytes(c: ModelConfig, w4: bool) -> int:
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q)]
         shapes += [(2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
-        layer = sum(kernels.PackedLinear.arena_bytes(n, k) for n, k in shapes)
+        layer = sum(kernels.PackedLinear.arena_bytes(n, k, w4) for n, k in shapes)
         vocab = kernels.PackedLinear.arena_bytes(c.vocab_size, c.hidden_size)
         return c.num_layers * layer + vocab * (1 if c.tie_word_embeddings else 2)
 
@@ -202,10 +210,11 @@ class Int8Llama:
         c = self.config
         arena = None if probe else self._arena
         act8 = self._act8 and not probe
+        w4 = self.weight_bits == 4
 
         def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16: bool = True):
             return kernels.PackedLinear.from_float(
-                weight, bias, act_bf16=act_bf16 and not probe, arena=arena, act8=act8
+                weight, bias, act_bf16=act_bf16 and not probe, arena=arena, act8=act8, w4=w4
             )
 
         return kernels.LlamaLayer(

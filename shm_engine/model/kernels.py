@@ -186,6 +186,10 @@ def _i8(t: torch.Tensor):
     return ffi.cast("int8_t *", t.data_ptr())
 
 
+def _u8(t: torch.Tensor):
+    return ffi.cast("uint8_t *", t.data_ptr())
+
+
 def _i16(t: torch.Tensor):
     return ffi.cast("int16_t *", t.data_ptr())
 
@@ -216,20 +220,23 @@ def _as_i32(t: torch.Tensor, name: str, ndim: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- W8 x A16 linear
 class PackedLinear:
-    """An int8 group-32 weight packed for the native GEMM (build once at load with ``from_float``).
+    """A group-32 weight packed for the native GEMM (build once at load with ``from_float``).
 
     Attributes: ``n``, ``k`` (logical shape [n, k]), ``kp`` (k padded to 32), ``groups``
-    (kp / 32), ``packed`` (int8, flat, ceil(n/16)*16 * kp bytes), ``scales`` (fp16 bits as int16,
-    flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias`` (fp32 [n] or None),
-    ``act8`` (packed rotated, for 8-bit activations: see ``from_float``).
+    (kp / 32), ``packed`` (int8, flat, ceil(n/16)*16 * kp bytes; half that for W4), ``scales``
+    (fp16 bits as int16, flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias``
+    (fp32 [n] or None), ``act8`` (packed rotated, for 8-bit activations: see ``from_float``),
+    ``mins`` (W4 only: the group minimums, laid out as ``scales``; see ``from_float``).
     """
 
     __slots__ = (
         "n", "k", "kp", "groups", "packed", "scales", "scale_mult", "bias", "act_bf16", "act8",
-        "_c",
+        "mins", "_c",
     )  # fmt: skip
 
-    def __init__(self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True, act8=False):
+    def __init__(
+        self, n, k, packed, scales, scale_mult, bias=None, act_bf16=True, act8=False, mins=None
+    ):
         """Wrap already packed data (as ``from_float`` makes it); checked against n and k."""
         if int(n) < 1 or int(k) < 1:
             raise ValueError(f"n and k must be >= 1, got n={n}, k={k}")
@@ -237,9 +244,14 @@ class PackedLinear:
         self.groups = self.kp // 32
         # NOTE: C reads exactly these many elements through the raw pointers below
         _check(packed, "packed", torch.int8, 1)
-        _shape(packed, "packed", (int(lib.shmk_packed_bytes(self.n, self.k)),))
+        _shape(packed, "packed", (self.packed_bytes(self.n, self.k, mins is not None),))
         _check(scales, "scales", torch.int16, 1)
         _shape(scales, "scales", (int(lib.shmk_packed_scales(self.n, self.k)),))
+        if mins is not None:
+            if act8:
+                raise ValueError("a W4 weight (mins) cannot be act8")
+            _check(mins, "mins", torch.int16, 1)
+            _shape(mins, "mins", tuple(scales.shape))
         if bias is not None:
             _check(bias, "bias", torch.float32, 1)
             _shape(bias, "bias", (self.n,))
@@ -256,14 +268,26 @@ class PackedLinear:
         c.bias = _f32(bias) if bias is not None else ffi.NULL
         self.act8 = bool(act8)
         c.act8 = int(self.act8)
+        self.mins = mins
+        c.mins = _u16(mins) if mins is not None else ffi.NULL
         self._c = c
 
+    @property
+    def w4(self) -> bool:
+        """4-bit weights (``from_float(w4=True)``)."""
+        return self.mins is not None
+
     @staticmethod
-    def arena_bytes(n: int, k: int) -> int:
+    def packed_bytes(n: int, k: int, w4: bool = False) -> int:
+        """Bytes of ``packed`` for an [n, k] weight."""
+        return int(lib.shmk_packed_bytes_w4(n, k) if w4 else lib.shmk_packed_bytes(n, k))
+
+    @staticmethod
+    def arena_bytes(n: int, k: int, w4: bool = False) -> int:
         """What packing an [n, k] weight takes from a HugeArena."""
-        return HugeArena.footprint(int(lib.shmk_packed_bytes(n, k)), torch.int8) + (
-            HugeArena.footprint(int(lib.shmk_packed_scales(n, k)), torch.int16)
-        )
+        scales = HugeArena.footprint(int(lib.shmk_packed_scales(n, k)), torch.int16)
+        packed = HugeArena.footprint(PackedLinear.packed_bytes(n, k, w4), torch.int8)
+        return packed + scales * (2 if w4 else 1)
 
     @classmethod
     def from_float(
@@ -273,6 +297,7 @@ class PackedLinear:
         act_bf16: bool = True,
         arena: HugeArena | None = None,
         act8: bool = False,
+        w4: bool = False,
     ) -> PackedLinear:
         """Quantise and pack a float weight [n, k] (any float dtype; copied to fp32 if needed).
 
@@ -282,7 +307,11 @@ class PackedLinear:
         kernel from ~16 rows on path "vnni", portable C elsewhere; less accurate:
         docs/kernels.md). The kernel rotates each 32 k of a row by the Walsh-Hadamard matrix
         H before rounding, so the weight is packed as ``rotate_groups(weight)``: W H / 32,
-        which that rotated row multiplies to W x; its bytes are stored + 128."""
+        which that rotated row multiplies to W x; its bytes are stored + 128.
+        ``w4``: 4-bit weights, w = s u + m with u in [0, 15] and a scale s and minimum m per
+        (channel, 32 k), llama.cpp's Q4_1 grid or, where it fits better, Q4_0's (native w4.c):
+        tensors a GGUF file holds in those formats pack back exactly. The GEMM runs them on
+        int16 activations as W8, plus each group's activation sum times m."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
         if not weight.is_floating_point():
@@ -291,6 +320,15 @@ class PackedLinear:
         n, k = w.shape
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
+        if w4:
+            if act8:
+                raise ValueError("w4 and act8 do not combine")
+            packed, scales = cls._buffers(n, k, arena, w4=True)
+            mins = (arena.take if arena else torch.empty)(scales.numel(), dtype=torch.int16)
+            amax = float(lib.shmk_weights_amax(_f32(w), w.numel()))
+            mult = lib.shmk_pack_rows_w4(_f32(w), n, k, amax, _u8(packed), _u16(scales), _u16(mins))
+            b = None if bias is None else _cpu_f32(bias)
+            return cls(n, k, packed, scales, float(mult), b, act_bf16, mins=mins)
         packed, scales = cls._buffers(n, k, arena)
         if act8:
             w = rotate_groups(w)  # [n, kp]: the padded columns are no longer zeros
@@ -305,7 +343,9 @@ class PackedLinear:
         return cls(n, k, packed, scales, mult, b, act_bf16, act8)
 
     @staticmethod
-    def _buffers(n: int, k: int, arena: HugeArena | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(
+        n: int, k: int, arena: HugeArena | None, w4: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Uninitialised packed bytes and fp16 scales for an [n, k] weight (arena or heap)."""
         take = (
             arena.take
@@ -313,7 +353,7 @@ class PackedLinear:
             else lambda numel, dtype: torch.empty(numel, dtype=dtype)
         )
         return (
-            take(int(lib.shmk_packed_bytes(n, k)), torch.int8),
+            take(PackedLinear.packed_bytes(n, k, w4), torch.int8),
             take(int(lib.shmk_packed_scales(n, k)), torch.int16),
         )
 
@@ -367,12 +407,15 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         extra = self.bias.numel() * 4 if self.bias is not None else 0
+        extra += self.mins.numel() * 2 if self.mins is not None else 0
         return self.packed.numel() + self.scales.numel() * 2 + extra
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [len(ids), k]: the output channels ``ids`` dequantised (an embedding lookup;
         ``model_forward`` does the same in C)."""
         _not_act8(self)
+        if self.w4:
+            raise ValueError("lookup reads W8 weights only (vocabulary matrices stay W8)")
         ids = _as_i64(ids, "ids")
         if ids.dim() != 1:
             raise ValueError("ids must be 1-D")
@@ -384,7 +427,10 @@ class PackedLinear:
 
     def unpack(self, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [n, k], group scales fp32 [n, groups]) back out of the packed layout;
-        ``padded``: q's kp columns (an ``act8`` weight's padding is rotated into, not zero)."""
+        ``padded``: q's kp columns (an ``act8`` weight's padding is rotated into, not zero).
+        For W4, q holds u (0 .. 15): see ``unpack_w4``."""
+        if self.w4:
+            return self.unpack_w4(padded)[:2]
         k = self.kp if padded else self.k
         q = torch.empty(self.n, k, dtype=torch.int8)
         s = torch.empty(self.n, self.groups, dtype=torch.float32)
@@ -395,18 +441,37 @@ class PackedLinear:
             q.bitwise_xor_(-128)  # stored + 128
         return q, s
 
+    def unpack_w4(self, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A W4 weight's (u uint8 [n, k], group scales, group minimums fp32 [n, groups])."""
+        if not self.w4:
+            raise ValueError("not a W4 weight")
+        k = self.kp if padded else self.k
+        u = torch.empty(self.n, k, dtype=torch.uint8)
+        s = torch.empty(self.n, self.groups, dtype=torch.float32)
+        m = torch.empty_like(s)
+        lib.shmk_unpack_w4(
+            _u8(self.packed), _u16(self.scales), _u16(self.mins), self.scale_mult,
+            self.n, k, _u8(u), _f32(s), _f32(m),
+        )  # fmt: skip
+        return u, s, m
+
     def dequantized(self) -> torch.Tensor:
-        """fp32 [n, k] = q * group scale (what the GEMM effectively multiplies by; for an
-        ``act8`` weight, by the rotated activations: W H / 32)."""
+        """fp32 [n, k] = q * group scale (+ group minimum for W4): what the GEMM effectively
+        multiplies by (for an ``act8`` weight, by the rotated activations: W H / 32)."""
+        grow = lambda t: t.repeat_interleave(32, dim=1)[:, : self.k]  # noqa: E731
+        if self.w4:
+            u, s, m = self.unpack_w4()
+            return (u.float() * grow(s) + grow(m)).contiguous()
         q, s = self.unpack()
-        return (q.float() * s.repeat_interleave(32, dim=1)[:, : self.k]).contiguous()
+        return (q.float() * grow(s)).contiguous()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self, out)
 
     def __repr__(self) -> str:
         bias = ", bias" if self.bias is not None else ""
-        return f"PackedLinear(n={self.n}, k={self.k}{bias})"
+        w4 = ", w4" if self.w4 else ""
+        return f"PackedLinear(n={self.n}, k={self.k}{bias}{w4})"
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
