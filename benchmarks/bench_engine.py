@@ -88,7 +88,7 @@ def runner_alone_tok_s(batch: int, context: int, steps: int) -> float:
     from shm_engine.model.loader import load_model
 
     loaded = load_model(None)
-    model = Int8Llama(loaded.config, loaded.weights)
+    model = Int8Llama(loaded.config, loaded.weights, weight_dtype="auto")  # as the engine
     return decode_tok_s(model, loaded.config, batch, steps, context)
 
 

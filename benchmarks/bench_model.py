@@ -4,10 +4,13 @@
 - prefill tokens/s of a 512-token prompt;
 - decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context (batch over the median step);
   on kernel path "vnni" also for the opt-in int8 activations (`a8_` keys; smoothed weights);
-- peak RSS of a fresh process that loads the default int8 model (KV cache excluded).
+  where ``--weight-dtype auto`` (the engine's default) packs layers in 4 bits, also for the
+  all-int8 model (`w8_` keys);
+- peak RSS of a fresh process that loads the model as measured (KV cache excluded).
 
     python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
-        [--activation-dtype int8] [--gemm-ms 300] [--model PATH] [--skip-gemm]
+        [--activation-dtype int8] [--weight-dtype auto|int8|int4] [--gemm-ms 300]
+        [--model PATH] [--skip-gemm]
 
 ``--model`` measures another model (a GGUF file or HF directory; e.g. one of
 ``benchmarks/random_model.py``'s shapes) instead of the embedded SmolLM2; the GEMM table is
@@ -82,14 +85,14 @@ def decode_tok_s(model, config, batch_size: int, steps: int, context: int = CONT
     return batch_size / statistics.median(times)
 
 
-def peak_rss_mb(model: str | None = None) -> float:
+def peak_rss_mb(model: str | None = None, weight_dtype: str = "int8") -> float:
     """Peak RSS of a fresh process that loads and packs the model (no KV cache)."""
     code = (
         "import resource\n"
         "from shm_engine.model.loader import load_model\n"
         "from shm_engine.model.int8_model import Int8Llama\n"
         f"m = load_model({model!r})\n"
-        "model = Int8Llama(m.config, m.weights)\n"
+        f"model = Int8Llama(m.config, m.weights, weight_dtype={weight_dtype!r})\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -115,6 +118,13 @@ def main() -> int:
     ap.add_argument(
         "--gemm-ms", type=float, default=300.0, help="GEMM table: timing budget a point, ms"
     )
+    ap.add_argument(
+        "--weight-dtype",
+        default="auto",
+        choices=["auto", "int8", "int4"],
+        help="the layers' weights, as the engine's option (auto: int4 for a GGUF's Q4_0/Q4_1 "
+        "matrices without VNNI); when auto gives int4, int8 is measured beside it (w8_ keys)",
+    )
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM table")
     args = ap.parse_args()
@@ -132,9 +142,10 @@ def main() -> int:
     results: dict = {
         "machine": machine,
         "model": args.model or "SmolLM2-135M-Instruct (embedded)",
-        "peak_rss_mb": peak_rss_mb(args.model),
+        "peak_rss_mb": peak_rss_mb(args.model, args.weight_dtype),
         "kv_cache_dtype": args.kv_cache_dtype,
         "activation_dtype": args.activation_dtype,
+        "weight_dtype": args.weight_dtype,
     }
     print(f"peak RSS holding the int8 model: {results['peak_rss_mb']:.0f} MB")
 
@@ -147,7 +158,7 @@ def main() -> int:
 
     loaded = load_model(args.model)
 
-    def int8_model(act: str) -> Int8Llama:
+    def int8_model(act: str, weight_dtype: str) -> Int8Llama:
         return Int8Llama(
             loaded.config,
             loaded.weights,
@@ -155,12 +166,18 @@ def main() -> int:
             activation_dtype=act,
             # as the engine builds it (model_runner.build_model)
             calibration_ids=calibration_ids(loaded.tokenizer) if act == "int8" else None,
+            weight_dtype=weight_dtype,
         )
 
-    models = {"int8": int8_model(args.activation_dtype)}
+    models = {"int8": int8_model(args.activation_dtype, args.weight_dtype)}
+    results["weights"] = models["int8"].weight_summary
+    print(f"weights: {results['weights']}")
+    # 4-bit layers beside the all-int8 model, in the same run
+    if any(models["int8"].w4_linears) and args.weight_dtype != "int4":
+        models["w8"] = int8_model(args.activation_dtype, "int8")
     # the opt-in 8-bit activations side by side, where the kernel path runs them
     if args.activation_dtype == "int16" and machine["kernel_path"] == "vnni":
-        models["a8"] = int8_model("int8")
+        models["a8"] = int8_model("int8", "int8")
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
     threads = torch.get_num_threads()

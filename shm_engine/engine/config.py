@@ -38,6 +38,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # decode on kernel path "vnni", i.e. AVX512-VNNI without AMX; int16 on the other paths; less
     # accurate: docs/kernels.md, "8-bit activations")
     activation_dtype: str = "int16"
+    # the int8 model's layer weights: "int8", "int4" (4-bit groups of 32, affine: ~0.6 of the
+    # bytes a decode step streams) or "auto": int4 for the matrices a GGUF file holds as Q4_0 /
+    # Q4_1 (packed back exactly), where the kernel path has no AVX512-VNNI (docs/kernels.md)
+    weight_dtype: str = "auto"
     log_stats: bool = True
     # Speculative decoding by n-gram lookup (ngram_proposer.py): up to this many draft tokens
     # a decode step, checked in the same forward (0: off; the same tokens, see Scheduler);
@@ -82,6 +86,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.dtype == "float32" and self.activation_dtype != "int16":
             raise ValueError("activation_dtype applies to the int8 model only")
+        if self.weight_dtype not in ("auto", "int8", "int4"):
+            raise ValueError(
+                f"weight_dtype must be 'auto', 'int8' or 'int4', got {self.weight_dtype!r}"
+            )
+        if self.weight_dtype == "int4" and self.activation_dtype != "int16":
+            raise ValueError("weight_dtype 'int4' runs on int16 activations")
+        if self.dtype == "float32" and self.weight_dtype == "int4":
+            raise ValueError("weight_dtype applies to the int8 model only")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "

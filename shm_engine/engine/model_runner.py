@@ -51,6 +51,7 @@ def build_model(config: EngineConfig, loaded: LoadedModel):
             num_threads=config.resolved_threads(),
             kv_cache_dtype=_int8_kv_name(config),
             activation_dtype=config.activation_dtype,
+            weight_dtype=config.weight_dtype,
             # NOTE: 8-bit activations want smoothed weights (half their error); int16 ones keep
             # the weights as they are (smoothing halves their KL to fp32 too, but swapped a
             # near-tie first token of a test prompt: docs/kernels.md)
@@ -164,9 +165,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampler_states: dict[str, object] = {}
         logger.info(
-            "model runner: model built in %.2f s; %d KV blocks of %d tokens (%.0f MiB), "
+            "model runner: model built in %.2f s (%s); %d KV blocks of %d tokens (%.0f MiB), "
             "%.2f s more to allocate",
             loaded_at - started,
+            getattr(self.model, "weight_summary", "fp32 weights"),
             self.num_blocks,
             self.block_size,
             self.num_blocks * per_block / 2**20,

@@ -191,6 +191,11 @@ class GGUFWeights(WeightSource):
     def gguf_type(self, name: str) -> GGMLQuantizationType:
         return self._tensors[name].tensor_type
 
+    def stored_in_4bit_groups(self, name: str) -> bool:
+        # NOTE: not Q4_K: its sub-block scales are fp16 x 6-bit products (not fp16) and its grids
+        # need not reach 0 and 15, so W4 would re-round them (weight_dtype="int4" still does)
+        return self.gguf_type(name) in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
     def _permuted_heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp permuted in this tensor (Q, K), else None."""
         if not self._permute:

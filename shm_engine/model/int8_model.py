@@ -56,6 +56,15 @@ def calibration_ids(tokenizer) -> list[int] | None:  # noqa: ANN001 - a model To
 
 # The activation formats of the layers' linear calls (Int8Llama's activation_dtype)
 ACTIVATION_DTYPES = ("int16", "int8")
+# The layers' weight formats (Int8Llama's weight_dtype); the vocabulary matrices stay int8
+WEIGHT_DTYPES = ("int8", "int4", "auto")
+# Each packed linear of a layer and the HF tensors it is packed from (rows concatenated)
+LINEAR_SOURCES = {
+    "qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"],
+    "o": ["self_attn.o_proj.weight"],
+    "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "down": ["mlp.down_proj.weight"],
+}
 
 
 class Int8Llama:
@@ -67,15 +76,18 @@ class Int8Llama:
         kv_cache_dtype: str = "fp16",
         activation_dtype: str = "int16",
         calibration_ids: Sequence[int] | None = None,
-        weight_bits: int = 8,
+        weight_dtype: str = "int8",
     ) -> None:
         """``calibration_ids``: tokens of a text (``calibration_ids(tokenizer)``) whose
         activations calibrate SmoothQuant factors folded into each layer's weights at load
         (model/smoothing.py; ~2x the layers' packing time); None packs the weights as they
         are. ``activation_dtype``: "int8" marks the layers' weights for 8-bit activations,
-        which only kernel path "vnni" runs (the others keep int16). ``weight_bits``: 4 packs
-        the layers' weights in 4 bits (``PackedLinear.from_float(w4=True)``: exact for tensors a
-        GGUF file holds as Q4_0 / Q4_1); the embedding and LM head stay 8-bit."""
+        which only kernel path "vnni" runs (the others keep int16). ``weight_dtype``: the
+        layers' weights in "int8" or "int4" (``PackedLinear.from_float(w4=True)``: exact for
+        tensors a GGUF file holds as Q4_0 / Q4_1), or "auto": int4 for the matrices the file
+        holds that way, on kernel paths without AVX512-VNNI (W4 runs the AVX2 code, which there
+        is slower than the VNNI int8 kernels from a few rows); the embedding and LM head stay
+        int8."""
         # NOTE: the native attention has no window. Within the window a sliding-window model
         # attends to everything anyway, so it runs exactly up to that length (the runner caps
         # max_model_len there; forward() refuses longer sequences).
@@ -95,11 +107,11 @@ class Int8Llama:
         # Accuracy: docs/kernels.md, "8-bit activations".
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}")
-        if weight_bits not in (4, 8):
-            raise ValueError(f"weight_bits must be 4 or 8, got {weight_bits}")
-        if weight_bits == 4 and (activation_dtype != "int16" or calibration_ids):
-            raise ValueError("4-bit weights run on int16 activations, unsmoothed")
-        self.weight_bits = weight_bits
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {list(WEIGHT_DTYPES)}")
+        if weight_dtype == "int4" and (activation_dtype != "int16" or calibration_ids):
+            raise ValueError("int4 weights run on int16 activations, unsmoothed")
+        self.weight_dtype = weight_dtype
         self.smoothed = bool(calibration_ids)
         self.activation_dtype = activation_dtype
         self._act8 = activation_dtype == "int8" and kernels.get_path() == "vnni"
@@ -116,7 +128,9 @@ class Int8Llama:
         c = config
         # NOTE: every packed weight in one huge-page arena (see HugeArena): batch-1 decode is a
         # stream of all of them each step.
-        self._arena = HugeArena(self._arena_bytes(c, weight_bits == 4))
+        # the 4-bit linears of each layer, decided before packing (the arena's size)
+        self.w4_linears = [self._w4_linears(weights, i) for i in range(c.num_layers)]
+        self._arena = HugeArena(self._arena_bytes(c, self.w4_linears))
         # NOTE: vocabulary-sized matrices are packed from chunks of rows (a whole one is 113 MB
         # of fp32 for SmolLM2, which set the peak RSS of loading).
         emb_name = "model.embed_tokens.weight"
@@ -150,7 +164,7 @@ class Int8Llama:
                 act_max = calib.maxima(probe)
                 del probe  # NOTE: before the real packing: the load's peak RSS is a layer's
                 smooth_layer(lw, act_max, c.num_heads, c.num_kv_heads, c.head_dim)
-            layer = self._pack_layer(lw, c.rope_in_layer(i))
+            layer = self._pack_layer(lw, c.rope_in_layer(i), w4=self.w4_linears[i])
             if calib is not None:
                 calib.advance(layer)
             self.layers.append(layer)
@@ -159,14 +173,38 @@ class Int8Llama:
         self._scratch: kernels.LayerScratch | None = None
         self._stack: kernels.LlamaStack | None = None
 
+    def _w4_linears(self, w: Mapping[str, torch.Tensor], i: int) -> frozenset[str]:
+        """Which of layer i's linears (LINEAR_SOURCES' keys) ``weight_dtype`` packs in 4 bits."""
+        if self.weight_dtype == "int4":
+            return frozenset(LINEAR_SOURCES)
+        # NOTE: smoothing rescales the weights off the file's grids
+        if self.weight_dtype == "int8" or self.smoothed or kernels.get_path() in ("vnni", "amx"):
+            return frozenset()
+        if not isinstance(w, WeightSource):
+            return frozenset()
+        p = f"model.layers.{i}."
+        return frozenset(
+            name
+            for name, sources in LINEAR_SOURCES.items()
+            if all(w.stored_in_4bit_groups(p + s) for s in sources)
+        )
+
     @staticmethod
-    def _arena_bytes(c: ModelConfig, w4: bool) -> int:
+    def _arena_bytes(c: ModelConfig, w4_linears: list[frozenset[str]]) -> int:
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q)]
-        shapes += [(2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
-        layer = sum(kernels.PackedLinear.arena_bytes(n, k, w4) for n, k in shapes)
+        shapes = {
+            "qkv": (q + 2 * kv, c.hidden_size),
+            "o": (c.hidden_size, q),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size),
+        }
+        layers = sum(
+            kernels.PackedLinear.arena_bytes(n, k, name in w4)
+            for w4 in w4_linears
+            for name, (n, k) in shapes.items()
+        )
         vocab = kernels.PackedLinear.arena_bytes(c.vocab_size, c.hidden_size)
-        return c.num_layers * layer + vocab * (1 if c.tie_word_embeddings else 2)
+        return layers + vocab * (1 if c.tie_word_embeddings else 2)
 
     def _pack_vocab(self, w: Mapping[str, torch.Tensor], name: str) -> kernels.PackedLinear:
         """A [vocab, hidden] matrix packed from chunks of rows when the source reads rows."""
@@ -185,36 +223,44 @@ class Int8Llama:
         def own(name: str) -> torch.Tensor:
             return w[p + name].to(torch.float32, copy=self.smoothed)
 
-        def cat(names: list[str]) -> torch.Tensor:
-            return torch.cat([w[p + n] for n in names]).to(torch.float32)
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([w[p + n] for n in LINEAR_SOURCES[name]]).to(torch.float32)
 
         bias = None
         if self.config.attention_bias:
-            bias = cat([f"self_attn.{n}_proj.bias" for n in "qkv"])
+            bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]).float()
         qk_norm = self.config.qk_norm
         return LayerWeights(
             q_norm=own("self_attn.q_norm.weight") if qk_norm else None,
             k_norm=own("self_attn.k_norm.weight") if qk_norm else None,
             input_norm=own("input_layernorm.weight"),
             post_norm=own("post_attention_layernorm.weight"),
-            qkv=cat([f"self_attn.{n}_proj.weight" for n in "qkv"]),
+            qkv=cat("qkv"),
             qkv_bias=bias,
             o=own("self_attn.o_proj.weight"),
-            gate_up=cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+            gate_up=cat("gate_up"),
             down=own("mlp.down_proj.weight"),
         )
 
-    def _pack_layer(self, lw: LayerWeights, rope: bool, probe: bool = False) -> kernels.LlamaLayer:
+    def _pack_layer(
+        self, lw: LayerWeights, rope: bool, probe: bool = False, w4: frozenset[str] = frozenset()
+    ) -> kernels.LlamaLayer:
         """The layer packed into the arena, or (``probe``) a heap copy on int16 activations on
-        every path, for calibration."""
+        every path, for calibration; the linears named in ``w4`` in 4 bits."""
         c = self.config
         arena = None if probe else self._arena
         act8 = self._act8 and not probe
-        w4 = self.weight_bits == 4
 
-        def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16: bool = True):
+        def pack(
+            name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16=True
+        ) -> kernels.PackedLinear:
             return kernels.PackedLinear.from_float(
-                weight, bias, act_bf16=act_bf16 and not probe, arena=arena, act8=act8, w4=w4
+                weight,
+                bias,
+                act_bf16=act_bf16 and not probe,
+                arena=arena,
+                act8=act8,
+                w4=name in w4,
             )
 
         return kernels.LlamaLayer(
@@ -229,13 +275,13 @@ class Int8Llama:
             q_norm=lw.q_norm,
             k_norm=lw.k_norm,
             rope=rope,
-            qkv=pack(lw.qkv, lw.qkv_bias),
-            o=pack(lw.o),
-            gate_up=pack(lw.gate_up),
+            qkv=pack("qkv", lw.qkv, lw.qkv_bias),
+            o=pack("o", lw.o),
+            gate_up=pack("gate_up", lw.gate_up),
             # NOTE: int16 activations for down_proj even on AMX: its input (SiLU(gate) * up) is
             # heavy-tailed, and bf16 there cost SmolLM2 ~0.6 % teacher-forced top-1 agreement with
             # fp32 (97.6 %); bf16 into qkv, o, gate_up and the LM head cost none (98.2 %).
-            down=pack(lw.down, act_bf16=False),
+            down=pack("down", lw.down, act_bf16=False),
         )
 
     @property
@@ -247,6 +293,13 @@ class Int8Llama:
         )
         embedding = 0 if self.embedding is self.lm_head else self.embedding.nbytes
         return layer_bytes + self.lm_head.nbytes + embedding
+
+    @property
+    def weight_summary(self) -> str:
+        """What the engine logs of the packed weights: size and the 4-bit share."""
+        w4 = sum(len(s) for s in self.w4_linears)
+        total = len(LINEAR_SOURCES) * len(self.w4_linears)
+        return f"{self.nbytes / 2**20:.0f} MiB packed, {w4} of {total} layer matrices int4"
 
     # ------------------------------------------------------------------ forward
 

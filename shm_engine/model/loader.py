@@ -56,6 +56,11 @@ class WeightSource(Mapping[str, "torch.Tensor"], ABC):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self[name].shape)
 
+    def stored_in_4bit_groups(self, name: str) -> bool:
+        """Whether the file holds the tensor on 4-bit grids of 32 that W4 packs back exactly
+        (GGUF Q4_0 and Q4_1); an ``Int8Llama(weight_dtype="auto")`` keeps those in 4 bits."""
+        return False
+
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """fp32 rows ``start .. end - 1`` of a matrix (what ``self[name][start:end]`` holds).
 
