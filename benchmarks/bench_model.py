@@ -190,7 +190,9 @@ def main() -> int:
         results[f"{key}prefill_tok_s"] = prefill
         results[f"{key}decode_tok_s"] = decode
         line = "  ".join(f"b{b} {v:7.1f}" for b, v in decode.items())
-        print(f"{name:5s} prefill(512) {prefill:8.1f} tok/s   decode tok/s: {line}")
+        # the engine's model (key "int8") is labelled by its layers' weights
+        label = "w4" if name == "int8" and any(getattr(model, "w4_linears", ())) else name
+        print(f"{label:5s} prefill(512) {prefill:8.1f} tok/s   decode tok/s: {line}")
     results["bench_process_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         with open(args.json, "w") as f:
