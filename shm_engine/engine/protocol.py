@@ -141,3 +141,4 @@ class EngineReady(msgspec.Struct, **_STRUCT):
     vocab_size: int
     eos_token_ids: list[int]
     model_name: str
+    weights: str = ""  # what the model packed (Int8Llama.weight_summary), for the server's log

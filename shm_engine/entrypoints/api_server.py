@@ -81,8 +81,9 @@ def build_app(
         if engine.sampling_defaults:
             logger.info("sampling defaults from the model: %s", engine.sampling_defaults)
         logger.info(
-            "serving %s (max_model_len %d, %d KV blocks)",
+            "serving %s (%s; max_model_len %d, %d KV blocks)",
             engine.model_name,
+            engine.client.ready.weights,
             engine.max_model_len,
             engine.client.ready.num_kv_blocks,
         )

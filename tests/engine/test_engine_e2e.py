@@ -90,6 +90,13 @@ def test_handshake_reports_the_cache(client):
     assert client.ready.num_kv_blocks == 512
     assert client.ready.vocab_size == 49152
     assert client.ready.eos_token_ids
+    # what the engine packed, for the server's start-up log ("auto": SmolLM2's Q4_1 layers stay
+    # 4-bit on kernel paths without VNNI)
+    if DTYPE == "int8":
+        from shm_engine.model import kernels
+
+        int4 = 0 if kernels.get_path() in ("vnni", "amx") else 120
+        assert f"{int4} of 120 layer matrices int4" in client.ready.weights
 
 
 def test_64_concurrent_streams_all_finish(client, tokenizer):
