@@ -122,8 +122,8 @@ def main() -> int:
         "--weight-dtype",
         default="auto",
         choices=["auto", "int8", "int4"],
-        help="the layers' weights, as the engine's option (auto: int4 for a GGUF's Q4_0/Q4_1 "
-        "matrices without VNNI); when auto gives int4, int8 is measured beside it (w8_ keys)",
+        help="the layers' weights, as the engine's option (auto: int4 for a GGUF's Q4_0/Q4_1/"
+        "Q4_K matrices without VNNI); when auto gives int4, int8 is measured beside it (w8_ keys)",
     )
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM table")

@@ -20,7 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from .config import ModelConfig
 from .gguf_metadata import FastGGUFReader, read_gguf_info
-from .loader import LoadedModel, WeightSource, check_weights, file_fingerprint
+from .loader import LoadedModel, W4Grid, WeightSource, check_weights, file_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,52 @@ _BLOCK_BYTES = {
 _CHUNK_BLOCKS = 1 << 15  # 1 Mi weights (4 MB of fp32) per chunk
 
 
+def _grid_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _half_at(blocks, 0)[:, 0]  # w = d (q - 8)
+    return _nibbles(blocks[:, 2:]).to(torch.uint8), d, -8.0 * d
+
+
+def _grid_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        _nibbles(blocks[:, 4:]).to(torch.uint8),
+        _half_at(blocks, 0)[:, 0],
+        _half_at(blocks, 2)[:, 0],
+    )
+
+
+def _grid_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K super-block (256 weights) as 8 grids of 32: w = d sc_j q - dmin m_j, the 6-bit
+    sc_j and m_j packed in 12 bytes as llama.cpp's get_scale_min_k4 reads them."""
+    n = blocks.shape[0]
+    d, dmin = _half_at(blocks, 0), _half_at(blocks, 2)
+    sb = blocks[:, 4:16].long()
+    lo, hi = sb[:, 0:4], sb[:, 4:8]
+    sc = torch.cat([lo & 63, (sb[:, 8:12] & 15) | ((lo >> 6) << 4)], dim=1)
+    mn = torch.cat([hi & 63, (sb[:, 8:12] >> 4) | ((hi >> 6) << 4)], dim=1)
+    qs = blocks[:, 16:].view(n, 4, 32)  # 64 weights a chunk: low nibbles, then high ones
+    u = torch.stack([qs & 15, qs >> 4], dim=2).reshape(n * 8, 32)
+    return u, (d * sc.float()).reshape(-1), (-(dmin * mn.float())).reshape(-1)
+
+
+# Block bytes and grid readers of the types W4 holds (w4_grid)
+_GRIDS = {
+    GGMLQuantizationType.Q4_0: (18, 32, _grid_q4_0),
+    GGMLQuantizationType.Q4_1: (20, 32, _grid_q4_1),
+    GGMLQuantizationType.Q4_K: (144, 256, _grid_q4_k),
+}
+
+
+def w4_grid_of(t: ReaderTensor) -> W4Grid:
+    """A Q4_0 / Q4_1 / Q4_K matrix tensor's grids in the HF layout (rows [out, in])."""
+    block_bytes, block_len, read = _GRIDS[t.tensor_type]
+    rows, cols = (int(x) for x in reversed(t.shape.tolist()))
+    raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))
+    u, s, m = read(raw.view(-1, block_bytes))
+    groups = cols // 32  # GGUF rows are whole blocks: cols is a multiple of block_len
+    assert cols % block_len == 0
+    return W4Grid(u.reshape(rows, cols), s.reshape(rows, groups), m.reshape(rows, groups))
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's `permute`: rows (head, dim/2, 2) -> (head, 2, dim/2)."""
     rows = w.shape[0]
@@ -192,9 +238,17 @@ class GGUFWeights(WeightSource):
         return self._tensors[name].tensor_type
 
     def stored_in_4bit_groups(self, name: str) -> bool:
-        # NOTE: not Q4_K: its sub-block scales are fp16 x 6-bit products (not fp16) and its grids
-        # need not reach 0 and 15, so W4 would re-round them (weight_dtype="int4" still does)
-        return self.gguf_type(name) in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+        return self.gguf_type(name) in _GRIDS
+
+    def w4_grid(self, name: str) -> W4Grid:
+        if not self.stored_in_4bit_groups(name):
+            return super().w4_grid(name)
+        t = self._tensors[name]
+        g = w4_grid_of(t)
+        if isinstance(self.reader, FastGGUFReader):
+            self.reader.release(int(t.data_offset), int(t.n_bytes))
+        heads = self._permuted_heads(name)
+        return g if heads is None else W4Grid(*(unpermute_qk(x, heads) for x in g))
 
     def _permuted_heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp permuted in this tensor (Q, K), else None."""

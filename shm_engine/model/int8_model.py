@@ -24,7 +24,7 @@ from shm_engine.model.config import ModelConfig
 from shm_engine.model.eval_texts import CALIBRATION_TEXT
 from shm_engine.model.hugepages import HugeArena
 from shm_engine.model.kv_cache import KV_CACHE_DTYPES, check_kv_dtype
-from shm_engine.model.loader import WeightSource
+from shm_engine.model.loader import W4Grid, WeightSource
 from shm_engine.model.smoothing import LayerCalibrator, LayerWeights, smooth_layer
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ class Int8Llama:
         (model/smoothing.py; ~2x the layers' packing time); None packs the weights as they
         are. ``activation_dtype``: "int8" marks the layers' weights for 8-bit activations,
         which only kernel path "vnni" runs (the others keep int16). ``weight_dtype``: the
-        layers' weights in "int8" or "int4" (``PackedLinear.from_float(w4=True)``: exact for
-        tensors a GGUF file holds as Q4_0 / Q4_1), or "auto": int4 for the matrices the file
+        layers' weights in "int8" or "int4" (matrices a GGUF file holds as Q4_0 / Q4_1 / Q4_K
+        packed from their grids, exact but for Q4_K's scales rounded to fp16; others fitted
+        by ``PackedLinear.from_float(w4=True)``), or "auto": int4 for the matrices the file
         holds that way, on kernel paths without AVX512-VNNI (W4 runs the AVX2 code, which there
         is slower than the VNNI int8 kernels from a few rows); the embedding and LM head stay
         int8."""
@@ -217,14 +218,23 @@ class Int8Llama:
 
     def _layer_weights(self, w: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
         """The layer's fp32 tensors; when smoothing, each its own copy (smooth_layer works in
-        place)."""
+        place). A 4-bit linear whose parts the source holds on 4-bit grids comes as those grids
+        (W4Grid), packed as they are rather than re-fitted from floats (exact for Q4_K's too)."""
         p = f"model.layers.{i}."
 
         def own(name: str) -> torch.Tensor:
             return w[p + name].to(torch.float32, copy=self.smoothed)
 
-        def cat(name: str) -> torch.Tensor:
-            return torch.cat([w[p + n] for n in LINEAR_SOURCES[name]]).to(torch.float32)
+        def cat(name: str) -> torch.Tensor | W4Grid:
+            names = [p + n for n in LINEAR_SOURCES[name]]
+            if (
+                name in self.w4_linears[i]
+                and isinstance(w, WeightSource)
+                and all(w.stored_in_4bit_groups(n) for n in names)
+            ):
+                grids = [w.w4_grid(n) for n in names]
+                return W4Grid(*(torch.cat(parts) for parts in zip(*grids, strict=True)))
+            return torch.cat([w[n] for n in names]).to(torch.float32)
 
         bias = None
         if self.config.attention_bias:
@@ -237,9 +247,9 @@ class Int8Llama:
             post_norm=own("post_attention_layernorm.weight"),
             qkv=cat("qkv"),
             qkv_bias=bias,
-            o=own("self_attn.o_proj.weight"),
+            o=cat("o"),
             gate_up=cat("gate_up"),
-            down=own("mlp.down_proj.weight"),
+            down=cat("down"),
         )
 
     def _pack_layer(
@@ -252,8 +262,13 @@ class Int8Llama:
         act8 = self._act8 and not probe
 
         def pack(
-            name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, act_bf16=True
+            name: str,
+            weight: torch.Tensor | W4Grid,
+            bias: torch.Tensor | None = None,
+            act_bf16=True,
         ) -> kernels.PackedLinear:
+            if isinstance(weight, W4Grid):
+                return kernels.PackedLinear.from_w4_grid(*weight, bias, arena)
             return kernels.PackedLinear.from_float(
                 weight,
                 bias,

@@ -342,6 +342,58 @@ class PackedLinear:
             _shape(b, "bias", (n,))
         return cls(n, k, packed, scales, mult, b, act_bf16, act8)
 
+    @classmethod
+    def from_w4_grid(
+        cls,
+        u: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        arena: HugeArena | None = None,
+    ) -> PackedLinear:
+        """Pack a matrix already on 4-bit grids, w[j, k] = scales[j, g] u[j, k] + mins[j, g] with
+        g = k // 32 (u uint8 [n, k] in 0 .. 15; scales, mins fp32 [n, groups]), as a GGUF
+        file's Q4_0 / Q4_1 / Q4_K blocks hold it: exact but for rounding the scales and
+        minimums to fp16 (nearest even; those of Q4_0 and Q4_1 are fp16 already).
+
+        NOTE: the same layout as ``from_float(w4=True)`` writes in C (w4.c), built with torch."""
+        _check(u, "u", torch.uint8, 2)
+        n, k = u.shape
+        if n < 1 or k < 1:
+            raise ValueError(f"u must be non-empty, got shape {tuple(u.shape)}")
+        groups = padded_k(k) // 32
+        for t, name in ((scales, "scales"), (mins, "mins")):
+            _check(t, name, torch.float32, 2)
+            _shape(t, name, (n, groups))
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} must be finite")
+        if int(u.max()) > 15:
+            raise ValueError("u must lie in [0, 15]")
+        amax = max(float(scales.abs().max()), float(mins.abs().max()))
+        # as w4.c: the largest |scale| or |minimum| lands in [2^14, 2^15) of fp16
+        e = math.frexp(amax)[1] if amax > 0 else 0
+        mult = 2.0 ** (e - 15)
+        nb = -(-n // 16)
+        packed, sbuf = cls._buffers(n, k, arena, w4=True)
+        mbuf = (arena.take if arena else torch.empty)(sbuf.numel(), dtype=torch.int16)
+        up = torch.zeros(nb * 16, groups * 32, dtype=torch.uint8)
+        up[:n, :k] = u
+        # [block, channel, group, quad row r, k 4r + t] -> [block, group, r, channel, t]; quad
+        # row r's byte goes to nibble row r % 4, high nibble for r >= 4
+        q = up.view(nb, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        packed.copy_((q[:, :, :4] | (q[:, :, 4:] << 4)).reshape(-1).view(torch.int8))
+
+        def fp16_bits(t: torch.Tensor, out: torch.Tensor) -> None:
+            h = torch.zeros(nb * 16, groups, dtype=torch.float16)
+            h[:n] = (t.double() / mult).to(torch.float16)
+            h[h.abs() < 2.0**-14] = 0  # normals or 0 only (the kernels' contract)
+            out.copy_(h.view(nb, 16, groups).permute(0, 2, 1).reshape(-1).view(torch.int16))
+
+        fp16_bits(scales, sbuf)
+        fp16_bits(mins, mbuf)
+        b = None if bias is None else _cpu_f32(bias)
+        return cls(n, k, packed, sbuf, mult, b, mins=mbuf)
+
     @staticmethod
     def _buffers(
         n: int, k: int, arena: HugeArena | None, w4: bool = False

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .config import ModelConfig
 from .default_model import default_model_path
@@ -26,6 +26,15 @@ if TYPE_CHECKING:
     import torch
 
 _FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed at each end of every file
+
+
+class W4Grid(NamedTuple):
+    """A matrix as a file holds it on 4-bit grids of 32 along its rows:
+    w[j, k] = scales[j, k // 32] * u[j, k] + mins[j, k // 32]."""
+
+    u: torch.Tensor  # uint8 [n, k], 0 .. 15
+    scales: torch.Tensor  # fp32 [n, ceil(k / 32)]
+    mins: torch.Tensor  # fp32 [n, ceil(k / 32)]
 
 
 class WeightSource(Mapping[str, "torch.Tensor"], ABC):
@@ -57,9 +66,13 @@ class WeightSource(Mapping[str, "torch.Tensor"], ABC):
         return tuple(self[name].shape)
 
     def stored_in_4bit_groups(self, name: str) -> bool:
-        """Whether the file holds the tensor on 4-bit grids of 32 that W4 packs back exactly
-        (GGUF Q4_0 and Q4_1); an ``Int8Llama(weight_dtype="auto")`` keeps those in 4 bits."""
+        """Whether the file holds the tensor on 4-bit grids of 32 (``w4_grid`` reads them; an
+        ``Int8Llama(weight_dtype="auto")`` keeps those in 4 bits)."""
         return False
+
+    def w4_grid(self, name: str) -> W4Grid:
+        """The tensor's 4-bit grids, where ``stored_in_4bit_groups(name)``."""
+        raise ValueError(f"{name} is not stored on 4-bit grids")
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """fp32 rows ``start .. end - 1`` of a matrix (what ``self[name][start:end]`` holds).

@@ -19,10 +19,14 @@ on the unsmoothed int16 kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from shm_engine.model import kernels
+
+if TYPE_CHECKING:
+    from shm_engine.model.loader import W4Grid
 
 ALPHA = 0.5
 _FLOOR = 1e-5  # maxima below this (dead channels) count as this
@@ -31,15 +35,15 @@ _FLOOR = 1e-5  # maxima below this (dead channels) count as this
 @dataclass(frozen=True)
 class LayerWeights:
     """fp32 tensors of one decoder layer as Int8Llama packs them: qkv rows [q | k | v],
-    gate_up rows [gate | up]."""
+    gate_up rows [gate | up]; a 4-bit linear may come as the file's grids (never smoothed)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | W4Grid
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    o: torch.Tensor | W4Grid
+    gate_up: torch.Tensor | W4Grid
+    down: torch.Tensor | W4Grid
     # Qwen3's per-head norms of q and k [head_dim]; smoothing leaves them (it scales no q or k
     # row, only v's and the input channels)
     q_norm: torch.Tensor | None = None

@@ -321,7 +321,7 @@ def test_smollm2_int4_layers_hold_the_files_own_weights(
 def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
     """ "auto" packs in 4 bits exactly the matrices the source stores on 4-bit grids (all of a
     packed matrix's parts), on paths without VNNI; a plain dict of tensors stays int8."""
-    from shm_engine.model.loader import WeightSource
+    from shm_engine.model.loader import W4Grid, WeightSource
 
     config, weights = random_model()
 
@@ -331,6 +331,9 @@ def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
 
         def stored_in_4bit_groups(self, name):
             return "mlp." in name or name.endswith("q_proj.weight")
+
+        def w4_grid(self, name):
+            return W4Grid(*kernels.PackedLinear.from_float(weights[name], w4=True).unpack_w4())
 
     src = Source(list(weights))
     with kernels.use_path("avx2"):

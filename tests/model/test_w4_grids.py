@@ -1,0 +1,112 @@
+"""A GGUF's 4-bit matrices read as grids (Q4_0, Q4_1, Q4_K) and packed as they are: the values
+the loader's floats hold, in 4 bits, with the Q/K rows un-permuted as the floats are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from shm_engine.model import kernels
+from shm_engine.model.gguf_loader import w4_grid_of
+from shm_engine.model.gguf_metadata import read_gguf
+from shm_engine.model.int8_model import Int8Llama
+from shm_engine.model.loader import load_model
+from shm_engine.model.reference import ReferenceModel
+
+from . import conftest
+from .conftest import tiny_config, tiny_weights, write_tiny_gguf
+from .test_int8_model import paged_logits, rel_err
+
+Q = gguf.GGMLQuantizationType
+
+
+def q4_k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid Q4_K data for a [rows, cols] matrix (cols a multiple of 256): random fp16 d and
+    dmin of a weight-like size, random 6-bit scales and minimums, random nibbles."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    blocks[:, 0:2] = (rng.random(n) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(n, 2)
+    blocks[:, 2:4] = (rng.random(n) * 4e-3).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def gguf_tensor(tmp_path: Path, data: np.ndarray, qtype: Q):
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("t", data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return read_gguf(tmp_path / "t.gguf").tensors[0]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_grids_hold_what_the_gguf_package_dequantizes(tmp_path: Path, qtype: Q) -> None:
+    rows, cols = 24, 512
+    if qtype == Q.Q4_K:
+        data = q4_k_blocks(rows, cols, 0)
+    else:
+        a = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+        data = quantize(a, qtype)
+    t = gguf_tensor(tmp_path, data, qtype)
+    g = w4_grid_of(t)
+    assert g.u.dtype == torch.uint8 and g.u.shape == (rows, cols) and int(g.u.max()) <= 15
+    assert g.scales.shape == g.mins.shape == (rows, cols // 32)
+    ref = torch.from_numpy(dequantize(np.asarray(t.data), qtype).reshape(rows, cols).copy())
+    grow = lambda x: x.repeat_interleave(32, dim=1)  # noqa: E731
+    assert torch.equal(g.u.float() * grow(g.scales) + grow(g.mins), ref)
+    # packed as they are: exact for Q4_0 / Q4_1 (fp16 scales), Q4_K's d x sc rounded to fp16
+    p = kernels.PackedLinear.from_w4_grid(*g)
+    tol = 0 if qtype != Q.Q4_K else float((grow(g.scales).abs() * 15 + grow(g.mins).abs()).max())
+    assert float((p.dequantized() - ref).abs().max()) <= tol * 2**-11
+
+
+def test_from_w4_grid_checks_its_input():
+    u = torch.zeros(4, 64, dtype=torch.uint8)
+    s = torch.ones(4, 2)
+    with pytest.raises(ValueError, match="u must lie in"):
+        kernels.PackedLinear.from_w4_grid(u + 16, s, s)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        kernels.PackedLinear.from_w4_grid(u, s[:, :1].contiguous(), s)
+    with pytest.raises(ValueError, match="mins must be finite"):
+        kernels.PackedLinear.from_w4_grid(u, s, s * float("inf"))
+    with pytest.raises(TypeError, match="u must have dtype"):
+        kernels.PackedLinear.from_w4_grid(u.to(torch.int16), s, s)
+
+
+@pytest.fixture(scope="module")
+def q4_k_model(tmp_path_factory):
+    """A tiny Llama GGUF whose matrices are Q4_K, as llama.cpp's converter lays it out (Q/K
+    rows permuted); the blocks are random, so the model is what they decode to."""
+    config = tiny_config(hidden_size=256, intermediate_size=512, head_dim=64, num_layers=2)
+    weights = tiny_weights(config)
+    seeds = iter(range(1000))
+    original = conftest.quantize
+    conftest.quantize = lambda a, qtype: q4_k_blocks(*a.shape, next(seeds))
+    try:
+        path = write_tiny_gguf(tmp_path_factory.mktemp("q4k") / "m.gguf", config, weights, Q.Q4_K)
+    finally:
+        conftest.quantize = original
+    return load_model(path)
+
+
+def test_q4_k_layers_run_in_4_bits_on_the_files_grids(q4_k_model):
+    m = q4_k_model
+    with kernels.use_path("avx2" if kernels.best_path() != "portable" else "portable"):
+        model = Int8Llama(m.config, m.weights, weight_dtype="auto")
+    assert all(s == {"qkv", "o", "gate_up", "down"} for s in model.w4_linears)
+    want = torch.cat([m.weights[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
+    got = model.layers[1].qkv.dequantized()  # q and k rows un-permuted as the floats are
+    assert float((got - want).abs().max()) <= float(want.abs().max()) * 2**-10
+    ref = ReferenceModel(m.config, m.weights.materialize())
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, m.config.vocab_size, (n,), generator=g).tolist() for n in (21, 6)]
+    got = paged_logits(model, m.config, seqs, [[10, 1, 10], [5, 1]])
+    for s, o in zip(seqs, got, strict=True):
+        assert rel_err(o, ref.forward(torch.tensor(s))) < 0.06
