@@ -128,6 +128,8 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM table")
     args = ap.parse_args()
+    if args.weight_dtype == "int4" and args.activation_dtype == "int8":
+        ap.error("--weight-dtype int4 runs on int16 activations")
     steps = 8 if args.quick else 32
     repeats = 2 if args.quick else 5
 

@@ -78,10 +78,13 @@ void shmk_linear(const float *x, int64_t m, const shmk_linear_t *w, float *y);
  *   layout's quad row p (low nibble) and of quad row p + 4 (high nibble), as u values;
  *   scales, mins fp16 bits [nb][kp/32][16], both signed; real = fp16 * scale_mult.
  * Per group the better (least squares) of the min/max grid (llama.cpp's Q4_1) and the
- * symmetric one about the largest |w| (Q4_0), so tensors a GGUF file stores as Q4_0 or Q4_1
- * come back exact.  shmk_linear runs them: each group's dot of u is exact int32 as for W8,
- *   acc = fmaf((float)dot, s, acc); acc = fmaf((float)xsum, m, acc)
- * with xsum the group's sum of the row's int16 activations (exact). */
+ * symmetric one about the largest |w| (Q4_0), so groups as llama.cpp's reference quantisers
+ * write them come back exact (with an importance matrix they need not: the engine packs GGUF
+ * matrices from their own blocks, kernels.PackedLinear.from_w4_grid).
+ * shmk_linear runs them on W8's int16 activations: each group's dot of u is exact int32, then
+ *   acc = fmaf((float)dot_g, s_g, acc) over the groups in order, as for W8; then
+ *   acc = fmaf(xsum_g, m_g, acc) over the groups in order
+ * with xsum_g the group's sum of the row's int16 activations (exact); y = acc * (sx scale_mult). */
 size_t shmk_packed_bytes_w4(int64_t n, int64_t k);
 /* as shmk_pack_rows (chunks of 16 rows at a time pack what one call does); returns scale_mult */
 float shmk_pack_rows_w4(const float *w, int64_t n, int64_t k, float amax, uint8_t *packed,

@@ -10,7 +10,9 @@
  * error after the fp16 rounding of s and m:
  *   min/max:   s = (max - min) / 15, m = min                     (Q4_1: exact on its values)
  *   symmetric: about the weight b of largest |w|, s = -b / 8 and m = b (Q4_0; s < 0 if b > 0)
- * so a tensor dequantised from Q4_0 or Q4_1 packs back to its own values exactly (tested). */
+ * so a tensor dequantised from Q4_0 or Q4_1 by llama.cpp's reference quantisers packs back to
+ * its own values exactly (tested); an importance matrix's searched scales need not reach the
+ * grid's ends, so the engine packs GGUF matrices from their blocks (PackedLinear.from_w4_grid). */
 #include <math.h>
 #include <string.h>
 

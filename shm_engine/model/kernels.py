@@ -542,7 +542,8 @@ def _not_act8(w: PackedLinear) -> None:
 
 
 def group_dots(xq: torch.Tensor, w: PackedLinear) -> torch.Tensor:
-    """Exact int32 group dot products dots[m, n, g] = xq[:, 32g:32g+32] @ q[:, 32g:32g+32]^T."""
+    """Exact int32 group dot products dots[m, n, g] = xq[:, 32g:32g+32] @ q[:, 32g:32g+32]^T
+    (for a W4 weight, q is u: its scales and minimums are not applied)."""
     _check(xq, "xq", torch.int16, 2)
     _not_act8(w)
     if xq.shape[1] != w.kp:
@@ -588,6 +589,9 @@ def linear_a8(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """``linear`` on 8-bit activations whatever ``w.act8`` says (so only right for ``act8``
     weights): the VNNI kernel where the CPU path has it, else the portable one, the same bits."""
     _check(x, "x", torch.float32, 2)
+    if w.w4:
+        # NOTE: gemm_a8.c reads W8 bytes: a W4 buffer is half as long
+        raise ValueError("linear_a8 reads W8 weights only (a W4 weight runs in linear)")
     if x.shape[1] != w.k:
         raise ValueError(f"x has {x.shape[1]} features, weight expects k={w.k}")
     out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
@@ -1085,6 +1089,10 @@ class ModelEnds:
         lm_head: PackedLinear,
     ):
         _check(final_norm, "final_norm", torch.float32, 1)
+        if embedding.w4 or embedding.act8:
+            # NOTE: the C lookup (shmk_dequant_channels) reads plain W8 bytes: a W4 buffer is
+            # half as long, an act8 one rotated
+            raise ValueError("the embedding must be a plain W8 weight (not W4, not act8)")
         vocab, h = embedding.n, embedding.k
         _shape(final_norm, "final_norm", (h,))
         if lm_head.k != h:

@@ -133,3 +133,13 @@ def test_w4_refuses_what_it_cannot_serve():
         K.PackedLinear(32, 64, p.packed, p.scales, 1.0, mins=p.mins[:-1].contiguous())
     with pytest.raises(ValueError, match="not a W4 weight"):
         K.PackedLinear.from_float(w).unpack_w4()
+    # the readers of plain W8 bytes refuse W4 buffers (half as long: they read past them)
+    with pytest.raises(ValueError, match="W8 weights only"):
+        K.linear_a8(torch.randn(2, 64), p)
+    norm = torch.ones(64)
+    with pytest.raises(ValueError, match="plain W8 weight"):
+        K.ModelEnds(p, norm, 1e-5, p)
+    act8 = K.PackedLinear.from_float(w, act8=True)
+    with pytest.raises(ValueError, match="plain W8 weight"):
+        K.ModelEnds(act8, norm, 1e-5, K.PackedLinear.from_float(w))
+    K.ModelEnds(K.PackedLinear.from_float(w), norm, 1e-5, p)  # a W4 LM head is a plain linear
