@@ -24,7 +24,13 @@
  *   before the fold (AVX2: one or two rows a pass, for calls of up to 4 rows).  Larger AVX2
  *   calls instead rearrange each block into pair rows (16 channels x 2 k) once and broadcast
  *   activation pairs to tiles of 3 rows (avx2_pair_block).
- *   Scales: fp16 [nb][G][16], one vcvtph2ps per block and group. */
+ *   Scales: fp16 [nb][G][16], one vcvtph2ps per block and group.
+ *
+ * W4 weights (mins != NULL; w4.c packs them, api.h gives the layout and the contract) run here
+ * too, on the portable and AVX2 code whatever the path: up to 4 rows read the nibbles in the
+ * quad-row lane layout (avx2_w4_kernel), from 5 each block is unpacked into the pair rows of the
+ * 3-row tiles (avx2_w4_pair_block), and the minimums' sum is added before the store (avx2_mins,
+ * add_mins). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -336,9 +342,9 @@ static inline void store_one(const gemm_ctx *c, int64_t i, int64_t j, float acc)
 
 /* weight (channel ch, k kk) of a block-group: W8 quad rows, or W4 nibble rows (w4.c) */
 static inline int32_t weight_at(const gemm_ctx *c, const int8_t *w, int ch, int kk) {
-    const int64_t at = (kk / 4 % 4) * 4 * NB + 4 * ch + (kk & 3);
     if (!c->mins) return w[(kk / 4) * 4 * NB + 4 * ch + (kk & 3)];
-    const uint8_t b = (uint8_t)w[at];
+    /* quad row r = kk / 4 lies in nibble row r % 4, in its high nibbles from r = 4 */
+    const uint8_t b = (uint8_t)w[(kk / 4 % 4) * 4 * NB + 4 * ch + (kk & 3)];
     return kk >= GK / 2 ? b >> 4 : b & 15;
 }
 
