@@ -112,8 +112,18 @@ _json_encode = msgspec.json.Encoder().encode
 _JSON = {"Content-Type": "application/json"}
 
 
+def request_headers(api_key: str | None) -> dict[str, str]:
+    """JSON, and the bearer key where one is given (a server run with --api-key wants it)."""
+    return _JSON if not api_key else {**_JSON, "Authorization": f"Bearer {api_key}"}
+
+
 async def send_request(
-    client, url: str, payload: dict[str, Any], chat: bool, prompt_tokens: int
+    client,
+    url: str,
+    payload: dict[str, Any],
+    chat: bool,
+    prompt_tokens: int,
+    headers: dict[str, str] = _JSON,
 ) -> RequestResult:
     """Stream one request; timestamps are taken as each SSE read arrives.
 
@@ -127,7 +137,7 @@ async def send_request(
     t0 = time.perf_counter()
     last = t0
     try:
-        async with client.post(url, data=_json_encode(payload), headers=_JSON) as resp:
+        async with client.post(url, data=_json_encode(payload), headers=headers) as resp:
             if resp.status != 200:
                 body = (await resp.read()).decode(errors="replace")
                 res.error = f"HTTP {resp.status}: {body[:300]}"
@@ -234,6 +244,7 @@ async def run_load(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=args.timeout)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(args.seed)
+    headers = request_headers(args.api_key)
     bar = tqdm(
         total=len(prompts),
         desc=f"c={concurrency or 'inf'} rate={request_rate:g}",
@@ -260,13 +271,14 @@ async def run_load(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         for i in range(args.warmup):
             # Not one of the measured prompts: those must not find their prefix cached.
-            w = await send_request(client, url, payload(f"Warm-up {i}: count to ten.", 4), chat, 0)
+            warm = payload(f"Warm-up {i}: count to ten.", 4)
+            w = await send_request(client, url, warm, chat, 0, headers)
             if not w.ok:
                 raise SystemExit(f"warm-up request failed: {w.error}")
 
         async def one(text: str, n: int) -> RequestResult:
             async with sem:
-                r = await send_request(client, url, payload(text), chat, n)
+                r = await send_request(client, url, payload(text), chat, n, headers)
             bar.update(1)
             return r
 
@@ -444,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY environment "
+        "variable, as the openai client)",
+    )
     p.add_argument("--num-prompts", type=_positive_int, default=64)
     p.add_argument(
         "--input-len", type=_positive_int, default=128, help="prompt tokens (random prompts)"
@@ -563,7 +581,7 @@ def json_doc(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, 
     return doc
 
 
-async def server_model(base_url: str, model: str | None) -> str:
+async def server_model(base_url: str, model: str | None, api_key: str | None = None) -> str:
     """The model id to send (``model``, or the first of /v1/models), once the server answers.
 
     Why ask even with ``model``: an unreachable server would otherwise show up as every request
@@ -575,8 +593,10 @@ async def server_model(base_url: str, model: str | None) -> str:
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30.0)) as c,
-            c.get(url) as r,
+            c.get(url, headers=request_headers(api_key)) as r,
         ):
+            if r.status == 401:  # every request would fail the same way
+                raise BenchError(f"GET {url} answered HTTP 401: pass the server's --api-key")
             if model:
                 return model
             if r.status != 200:
@@ -590,7 +610,7 @@ async def server_model(base_url: str, model: str | None) -> str:
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     items = load_prompt_file(args.dataset_path) if args.dataset_path else None
-    model = await server_model(args.base_url, args.model)
+    model = await server_model(args.base_url, args.model, args.api_key)
     prompts = [run_prompts(args, run, items) for run in range(len(args.sweep_values))]
     # NOTE: as in the server: a full collection over the startup heap would stall every
     # stream's timestamps at once (a fake latency spike); only the run's own objects are walked.

@@ -51,6 +51,7 @@ def build_app(
     data_parallel_size: int = 1,
     model_info: ModelInfo | None = None,
     chat_options: ChatOptions | None = None,
+    api_key: str | None = None,
 ) -> HotRoutes:
     """The ASGI app; the engine starts in its lifespan and stops with it.
 
@@ -187,6 +188,7 @@ def build_app(
         },
         lambda status, message: error_response(status, message, "invalid_request_error"),
         screen=lambda path, body: app.state.server.screen_body(path, body),
+        api_key=api_key,
     )
 
 
@@ -200,14 +202,19 @@ def serve(
     data_parallel_size: int = 1,
     model_info: ModelInfo | None = None,
     chat_options: ChatOptions | None = None,
+    api_key: str | None = None,
 ) -> None:
-    """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory."""
+    """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory.
+
+    ``api_key``: /v1 requests must carry ``Authorization: Bearer <api_key>`` (api_key.py)."""
     if not 0 <= port <= 65535:
         # NOTE: uvicorn's bind raises OverflowError for it after the lifespan started the
         # engine, and the process then never exited.
         raise ValueError(f"port must be in 0..65535, got {port}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(config, served_model_name, data_parallel_size, model_info, chat_options)
+    app = build_app(
+        config, served_model_name, data_parallel_size, model_info, chat_options, api_key
+    )
     uv = uvicorn.Config(
         app,
         host=host,

@@ -334,6 +334,7 @@ def cmd_serve(args) -> int:
         data_parallel_size=args.data_parallel_size,
         model_info=model,
         chat_options=chat,
+        api_key=args.api_key or os.environ.get("SHM_ENGINE_API_KEY") or None,
     )
     return 0
 
@@ -388,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int_in(0, 65535), default=8000)
     s.add_argument("--served-model-name", default=None, help="model id in the API")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 requests (default: the "
+        "SHM_ENGINE_API_KEY environment variable; /health and /metrics stay open)",
+    )
     s.add_argument(
         "--max-num-seqs",
         type=int,

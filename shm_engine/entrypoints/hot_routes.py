@@ -19,6 +19,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from shm_engine.entrypoints.api_key import has_key, needs_key
+
 # The handler of a route: (validated body, request) -> response. It answers its own errors.
 Handler = Callable[[Any, Request], Awaitable[Response]]
 
@@ -36,18 +38,26 @@ class HotRoutes:
         routes: dict[str, tuple[type[BaseModel], Handler]],
         error: Callable[[int, str], Response],
         screen: Screen | None = None,
+        api_key: str | None = None,
     ) -> None:
         """``error(status, message)`` builds the error response (OpenAI-style JSON).
 
         ``screen`` sees bodies past SCREEN_BODY_BYTES first: validating a large one can hold
         the event loop for seconds, and a cheap count may already show it cannot be served.
+        ``api_key``: /v1 requests without it are refused here, before any route (api_key.py).
         """
         self.app = app
         self.routes = routes
         self.error = error
         self.screen = screen
+        self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if self.api_key is not None and needs_key(scope) and not has_key(scope, self.api_key):
+            response = self.error(401, "a valid API key is required (Authorization: Bearer KEY)")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
         if route is None or scope["method"] != "POST":
             await self.app(scope, receive, send)

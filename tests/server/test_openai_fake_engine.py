@@ -76,7 +76,9 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 64, tokenizer: Tokenizer | None = None) -> None:
         self.tokenizer = tokenizer or tiny_tokenizer()
         self.max_model_len = max_model_len
-        ready = types.SimpleNamespace(num_kv_blocks=1, vocab_size=self.tokenizer.vocab_size)
+        ready = types.SimpleNamespace(
+            num_kv_blocks=1, vocab_size=self.tokenizer.vocab_size, weights="fake weights"
+        )
         self.client = types.SimpleNamespace(ready=ready)
         self.script = lambda ids, params: []
         self.first_output_delay = 0.0
@@ -103,11 +105,14 @@ class FakeEngine:
 
 
 def serve_fake(
-    monkeypatch, engine: FakeEngine, chat: openai_server.ChatOptions | None = None
+    monkeypatch,
+    engine: FakeEngine,
+    chat: openai_server.ChatOptions | None = None,
+    api_key: str | None = None,
 ) -> TestClient:
     """A TestClient of the real app over ``engine``; ``engine.sent`` records (time, body) of
     every body write (the TestClient hands the body over only once the response is complete)."""
-    app = api_server.build_app(EngineConfig(), chat_options=chat)
+    app = api_server.build_app(EngineConfig(), chat_options=chat, api_key=api_key)
     engine.sent = []
 
     async def create(config, served_model_name=None, data_parallel_size=1, model_info=None):
@@ -1159,3 +1164,43 @@ def test_a_large_chat_body_that_truncation_serves_is_not_refused(fake) -> None:
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     body.pop("truncate_prompt_tokens")
     assert client.post("/v1/chat/completions", json=body).status_code == 400
+
+
+def test_api_key_guards_the_v1_routes_only(monkeypatch) -> None:
+    """As vLLM's --api-key: /v1 requests need 'Authorization: Bearer KEY' (401 in the OpenAI
+    error shape otherwise, before any body is read); probes, metrics and the tokenizer
+    endpoints stay open, and CORS preflights pass."""
+    engine = FakeEngine()
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    with serve_fake(monkeypatch, engine, api_key="s3cret") as client:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Bearer s3cret "}):  # fmt: skip
+            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+                r = client.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (headers, path)
+                assert r.headers["www-authenticate"] == "Bearer"
+                assert "API key" in r.json()["error"]["message"]
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert client.get("/v1/models", headers=ok).status_code == 200
+        assert client.get("/health").status_code == 200
+        assert client.post("/tokenize", json={"prompt": "x"}).status_code == 200
+        assert client.options("/v1/completions").status_code != 401
+
+
+def test_api_key_scope_and_comparison() -> None:
+    from shm_engine.entrypoints.api_key import has_key, needs_key
+
+    def scope(path, method="GET", headers=()):
+        return {"type": "http", "path": path, "method": method, "headers": list(headers)}
+
+    assert needs_key(scope("/v1/completions", "POST")) and needs_key(scope("/v1"))
+    for path in ("/health", "/metrics", "/tokenize", "/v1x", "/docs"):
+        assert not needs_key(scope(path))
+    assert not needs_key(scope("/v1/models", "OPTIONS"))
+    assert not needs_key({"type": "websocket", "path": "/v1/x"})
+    auth = [(b"authorization", b"Bearer k")]
+    assert has_key(scope("/v1", headers=auth), "k")
+    assert not has_key(scope("/v1", headers=auth * 2), "k")  # two headers: ambiguous
+    assert not has_key(scope("/v1", headers=[(b"authorization", b"Bearer kk")]), "k")

@@ -662,3 +662,31 @@ def test_data_parallel_server(make_server) -> None:
     _, alive = psutil.wait_procs(engines, timeout=10)
     assert not alive
     assert not srv.leaked_shm()
+
+
+def test_api_key_with_the_openai_client_and_bench(make_server, tmp_path, monkeypatch) -> None:
+    """serve --api-key (here from SHM_ENGINE_API_KEY): the official client with the key is
+    served, without it gets AuthenticationError; bench serve sends the key it is given (or
+    OPENAI_API_KEY) and says so in one line when it lacks it."""
+    from shm_engine.benchmarks import serve
+
+    monkeypatch.setenv("SHM_ENGINE_API_KEY", "k3y")
+    srv = make_server()
+    monkeypatch.delenv("SHM_ENGINE_API_KEY")
+    good = openai.OpenAI(base_url=srv.url + "/v1", api_key="k3y", max_retries=0)
+    model = good.models.list().data[0].id
+    out = good.completions.create(
+        model=model, prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 2
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(srv.url + "/health").status_code == 200
+    args = ["--base-url", srv.url, "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+            "--no-progress", "--json", str(tmp_path / "b.json")]  # fmt: skip
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert serve.main(args) == 2  # one line naming the missing key
+    assert serve.main([*args, "--api-key", "k3y"]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["completed"] == 2
+    assert srv.stop() == 0 and not srv.leaked_shm()
