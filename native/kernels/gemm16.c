@@ -28,7 +28,7 @@
  *
  * W4 weights (mins != NULL; w4.c packs them, api.h gives the layout and the contract) run here
  * too, on the portable and AVX2 code whatever the path: up to 4 rows read the nibbles in the
- * quad-row lane layout (avx2_w4_kernel), from 5 each block is unpacked into the pair rows of the
+ * quad-row lane layout (avx2_w4_kernel, avx2_w4_rows3_kernel), from 5 each block is unpacked into the pair rows of the
  * 3-row tiles (avx2_w4_pair_block), and the minimums' sum is added before the store (avx2_mins,
  * add_mins). */
 #include <immintrin.h>
@@ -830,6 +830,66 @@ INLINE AVX2_FN void avx2_w4_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, c
         avx2_store(c, blk, i0 + r, _mm256_load_ps(f[r]), _mm256_load_ps(f[r] + 8));
 }
 
+/* Three rows of W4 weights as nibbles: each widened chunk feeds all three (2 + 1 passes widen
+ * it twice).  12 sums, the mask and 3 temporaries fill the registers, so the rows' broadcast
+ * activations are memory operands, written per group to bx first (as avx2_rows3_kernel). */
+INLINE AVX2_FN void avx2_w4_rows3_kernel(const gemm_ctx *c, int64_t blk, int64_t i0) {
+    const int8_t *wb = c->packed + blk * c->G * (GBYTES / 2);
+    const __m256i low = _mm256_set1_epi16(15);
+    float f[3][NB] __attribute__((aligned(32))) = {{0}};
+    __m256i bx[3][GK / 4];
+    for (int64_t g = 0; g < c->G; g++) {
+        const int8_t *w = wb + g * (GBYTES / 2);
+        for (int row = 0; row < 3; row++)
+            for (int r = 0; r < GK / 4; r++) { /* activations k 4r .. 4r + 3, broadcast */
+                int64_t t;
+                memcpy(&t, c->xq + (i0 + row) * c->kp + g * GK + 4 * r, 8);
+                bx[row][r] = _mm256_set1_epi64x(t);
+            }
+        __m256i e0 = _mm256_setzero_si256(), e1 = e0, e2 = e0, e3 = e0;
+        __m256i h0 = e0, h1 = e0, h2 = e0, h3 = e0, k0 = e0, k1 = e0, k2 = e0, k3 = e0;
+        for (int p = 0; p < 4; p++) {
+            _mm_prefetch((const char *)w + p * 64 + PF_DIST, _MM_HINT_T0);
+            const int8_t *q = w + p * 64;
+            __m256i v, hi, t;
+#define AVX2_NIB3_ROW(L, H, S)                                                                \
+    "vpmaddwd %[" #L "], %[v], %[t]\n\t"                                                      \
+    "vpaddd %[t], %[" #S "], %[" #S "]\n\t"                                                   \
+    "vpmaddwd %[" #H "], %[hi], %[t]\n\t"                                                     \
+    "vpaddd %[t], %[" #S "], %[" #S "]\n\t"
+#define AVX2_NIB3(OFF, E, H, K)                                                               \
+    __asm__("vpmovzxbw " #OFF "(%[q]), %[v]\n\t"                                              \
+            "vpsrlw $4, %[v], %[hi]\n\t"                                                      \
+            "vpand %[low], %[v], %[v]\n\t" AVX2_NIB3_ROW(al, ah, E) AVX2_NIB3_ROW(bl, bh, H)   \
+                AVX2_NIB3_ROW(cl, ch, K)                                                      \
+            : [E] "+x"(E), [H] "+x"(H), [K] "+x"(K), [v] "=&x"(v), [hi] "=&x"(hi),            \
+              [t] "=&x"(t)                                                                    \
+            : [q] "r"(q), [low] "x"(low), [al] "m"(bx[0][p]), [ah] "m"(bx[0][p + 4]),         \
+              [bl] "m"(bx[1][p]), [bh] "m"(bx[1][p + 4]), [cl] "m"(bx[2][p]),                 \
+              [ch] "m"(bx[2][p + 4]), "m"(*(const char(*)[64])q))
+            AVX2_NIB3(0, e0, h0, k0);
+            AVX2_NIB3(16, e1, h1, k1);
+            AVX2_NIB3(32, e2, h2, k2);
+            AVX2_NIB3(48, e3, h3, k3);
+#undef AVX2_NIB3
+#undef AVX2_NIB3_ROW
+        }
+        const __m256i d[3][2] = {{avx2_pair_sum(e0, e1), avx2_pair_sum(e2, e3)},
+                                 {avx2_pair_sum(h0, h1), avx2_pair_sum(h2, h3)},
+                                 {avx2_pair_sum(k0, k1), avx2_pair_sum(k2, k3)}};
+        avx2_group_out(c, blk, g, i0, 3, d, c->dots != NULL, f);
+    }
+    if (c->dots) return;
+    avx2_mins(c, blk, i0, 3, f);
+    for (int r = 0; r < 3; r++)
+        avx2_store(c, blk, i0 + r, _mm256_load_ps(f[r]), _mm256_load_ps(f[r] + 8));
+}
+
+AVX2_FN __attribute__((noinline)) static void avx2_w4_rows3(const gemm_ctx *c, int64_t blk,
+                                                            int64_t i) {
+    avx2_w4_rows3_kernel(c, blk, i);
+}
+
 AVX2_FN __attribute__((noinline)) static void avx2_w4_row(const gemm_ctx *c, int64_t blk,
                                                           int64_t i) {
     avx2_w4_kernel(c, blk, i, 1);
@@ -844,6 +904,10 @@ AVX2_FN static void tile_avx2(const gemm_ctx *c, int64_t blk, int64_t i0, int64_
     int64_t i = i0;
     const int8_t *wb = c->packed + blk * c->G * GBYTES;
     if (c->mins && i1 - i0 <= AVX2_QUAD_MAX_M) {
+        if (i1 - i0 == 3) {
+            avx2_w4_rows3(c, blk, i);
+            return;
+        }
         for (; i + 2 <= i1; i += 2) avx2_w4_rows2(c, blk, i);
         if (i < i1) avx2_w4_row(c, blk, i);
         return;
