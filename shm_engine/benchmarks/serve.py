@@ -456,12 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY environment "
-        "variable, as the openai client)",
-    )
+    # NOTE: no OPENAI_API_KEY default (as the openai client has): it would send a user's
+    # OpenAI key in clear to whatever --base-url names
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--num-prompts", type=_positive_int, default=64)
     p.add_argument(
         "--input-len", type=_positive_int, default=128, help="prompt tokens (random prompts)"

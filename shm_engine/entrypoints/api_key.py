@@ -9,6 +9,19 @@ from __future__ import annotations
 import hmac
 
 
+def check_api_key(key: str) -> bytes:
+    """The key as the bytes a request must present; a key no request could present is an error.
+
+    NOTE: checked once, at start-up: a key with surrounding whitespace never matches (servers
+    strip header values), an empty one refuses everything, and one that is not ASCII either
+    failed to encode on every request (500s) or cannot be sent by HTTP clients."""
+    if not key:
+        raise ValueError("the API key is empty")
+    if not all(33 <= ord(ch) <= 126 for ch in key):
+        raise ValueError("the API key must be printable ASCII without spaces")
+    return key.encode("ascii")
+
+
 def needs_key(scope: dict) -> bool:
     """Whether an ASGI request falls under the key: HTTP, a /v1 path, not a preflight."""
     if scope["type"] != "http" or scope["method"] == "OPTIONS":
@@ -17,11 +30,14 @@ def needs_key(scope: dict) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-def has_key(scope: dict, key: str) -> bool:
-    """Whether the request's Authorization header is ``Bearer <key>``.
+def has_key(scope: dict, key: bytes) -> bool:
+    """Whether the request's one Authorization header is ``Bearer <key>`` (the scheme's case
+    is free, RFC 7235).
 
     NOTE: compared in constant time (hmac.compare_digest): a byte-by-byte comparison that stops
     at the first difference tells a timing attacker how much of a guess was right."""
-    want = b"Bearer " + key.encode()
     got = [v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
-    return len(got) == 1 and hmac.compare_digest(got[0], want)
+    if len(got) != 1:
+        return False
+    scheme, _, token = got[0].partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token, key)

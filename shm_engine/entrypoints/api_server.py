@@ -215,6 +215,8 @@ def serve(
     app = build_app(
         config, served_model_name, data_parallel_size, model_info, chat_options, api_key
     )
+    if api_key is not None:
+        logging.getLogger(__name__).info("/v1 requests need the API key (Authorization: Bearer)")
     uv = uvicorn.Config(
         app,
         host=host,

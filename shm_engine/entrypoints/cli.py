@@ -334,9 +334,14 @@ def cmd_serve(args) -> int:
         data_parallel_size=args.data_parallel_size,
         model_info=model,
         chat_options=chat,
-        api_key=args.api_key or os.environ.get("SHM_ENGINE_API_KEY") or None,
+        # NOTE: an explicit --api-key "" is checked (an error); an empty variable is unset
+        api_key=args.api_key if args.api_key is not None else api_key_from_env(),
     )
     return 0
+
+
+def api_key_from_env() -> str | None:
+    return os.environ.get("SHM_ENGINE_API_KEY") or None
 
 
 def chat_options(args):

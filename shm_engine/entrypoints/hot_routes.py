@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shm_engine.entrypoints.api_key import has_key, needs_key
+from shm_engine.entrypoints.api_key import check_api_key, has_key, needs_key
 
 # The handler of a route: (validated body, request) -> response. It answers its own errors.
 Handler = Callable[[Any, Request], Awaitable[Response]]
@@ -50,7 +50,7 @@ class HotRoutes:
         self.routes = routes
         self.error = error
         self.screen = screen
-        self.api_key = api_key
+        self.api_key = None if api_key is None else check_api_key(api_key)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if self.api_key is not None and needs_key(scope) and not has_key(scope, self.api_key):

@@ -123,9 +123,13 @@ def _deq_q8_0(raw: torch.Tensor) -> torch.Tensor:
     return _half_at(blocks, 0) * blocks[:, 2:].view(torch.int8).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def _nibbles_u8(qs: torch.Tensor) -> torch.Tensor:
     # element j < 16 is the low nibble of byte j, element 16 + j its high nibble
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    return _nibbles_u8(qs).float()
 
 
 def _deq_q4_0(raw: torch.Tensor) -> torch.Tensor:
@@ -158,12 +162,12 @@ _CHUNK_BLOCKS = 1 << 15  # 1 Mi weights (4 MB of fp32) per chunk
 
 def _grid_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d = _half_at(blocks, 0)[:, 0]  # w = d (q - 8)
-    return _nibbles(blocks[:, 2:]).to(torch.uint8), d, -8.0 * d
+    return _nibbles_u8(blocks[:, 2:]), d, -8.0 * d
 
 
 def _grid_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
-        _nibbles(blocks[:, 4:]).to(torch.uint8),
+        _nibbles_u8(blocks[:, 4:]),
         _half_at(blocks, 0)[:, 0],
         _half_at(blocks, 2)[:, 0],
     )

@@ -218,8 +218,9 @@ class Int8Llama:
 
     def _layer_weights(self, w: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
         """The layer's fp32 tensors; when smoothing, each its own copy (smooth_layer works in
-        place). A 4-bit linear whose parts the source holds on 4-bit grids comes as those grids
-        (W4Grid), packed as they are rather than re-fitted from floats (exact for Q4_K's too)."""
+        place). A 4-bit linear comes as grids (W4Grid) when the source holds any of its parts on
+        4-bit grids: those parts as they are (exact but for Q4_K's scales rounded to fp16), the
+        others ("int4" on a Q4_K_M file's Q6_K v, say) fitted by ``from_float(w4=True)``."""
         p = f"model.layers.{i}."
 
         def own(name: str) -> torch.Tensor:
@@ -227,12 +228,15 @@ class Int8Llama:
 
         def cat(name: str) -> torch.Tensor | W4Grid:
             names = [p + n for n in LINEAR_SOURCES[name]]
-            if (
-                name in self.w4_linears[i]
-                and isinstance(w, WeightSource)
-                and all(w.stored_in_4bit_groups(n) for n in names)
-            ):
-                grids = [w.w4_grid(n) for n in names]
+            on_grids = isinstance(w, WeightSource) and [w.stored_in_4bit_groups(n) for n in names]
+            if name in self.w4_linears[i] and on_grids and any(on_grids):
+
+                def grid(n: str, stored: bool) -> W4Grid:
+                    if stored:
+                        return w.w4_grid(n)
+                    return W4Grid(*kernels.PackedLinear.from_float(w[n], w4=True).unpack_w4())
+
+                grids = [grid(n, stored) for n, stored in zip(names, on_grids, strict=True)]
                 return W4Grid(*(torch.cat(parts) for parts in zip(*grids, strict=True)))
             return torch.cat([w[n] for n in names]).to(torch.float32)
 

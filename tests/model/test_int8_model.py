@@ -342,6 +342,12 @@ def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
         assert auto.layers[0].gate_up.w4 and not auto.layers[0].qkv.w4
         assert "6 of 12 layer matrices int4" in auto.weight_summary
         assert not any(Int8Llama(config, weights, weight_dtype="auto").w4_linears)
+        # "int4" packs a matrix mixing grid and float parts from the grids it has: q's rows are
+        # its grid's values exactly; k and v are fitted
+        int4 = Int8Llama(config, src, weight_dtype="int4")
+        q = weights["model.layers.0.self_attn.q_proj.weight"]
+        grid_q = kernels.PackedLinear.from_float(q, w4=True).dequantized()
+        assert torch.equal(int4.layers[0].qkv.dequantized()[: q.shape[0]], grid_q)
     for path in ("vnni", "amx"):
         monkeypatch.setattr(kernels, "get_path", lambda p=path: p)
         assert not any(Int8Llama(config, src, weight_dtype="auto").w4_linears)

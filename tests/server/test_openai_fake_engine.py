@@ -1190,7 +1190,7 @@ def test_api_key_guards_the_v1_routes_only(monkeypatch) -> None:
 
 
 def test_api_key_scope_and_comparison() -> None:
-    from shm_engine.entrypoints.api_key import has_key, needs_key
+    from shm_engine.entrypoints.api_key import check_api_key, has_key, needs_key
 
     def scope(path, method="GET", headers=()):
         return {"type": "http", "path": path, "method": method, "headers": list(headers)}
@@ -1201,6 +1201,15 @@ def test_api_key_scope_and_comparison() -> None:
     assert not needs_key(scope("/v1/models", "OPTIONS"))
     assert not needs_key({"type": "websocket", "path": "/v1/x"})
     auth = [(b"authorization", b"Bearer k")]
-    assert has_key(scope("/v1", headers=auth), "k")
-    assert not has_key(scope("/v1", headers=auth * 2), "k")  # two headers: ambiguous
-    assert not has_key(scope("/v1", headers=[(b"authorization", b"Bearer kk")]), "k")
+    assert has_key(scope("/v1", headers=auth), b"k")
+    assert has_key(scope("/v1", headers=[(b"Authorization", b"bearer k")]), b"k")  # RFC 7235
+    assert not has_key(scope("/v1", headers=auth * 2), b"k")  # two headers: ambiguous
+    for value in (b"Bearer kk", b"Basic k", b"Bearerk", b"k", b"Bearer  k"):
+        assert not has_key(scope("/v1", headers=[(b"authorization", value)]), b"k"), value
+    # keys no request could present are refused once, at start-up
+    assert check_api_key("s3cret-Key_1") == b"s3cret-Key_1"
+    for bad in ("", "k ", " k", "k\r", "k\u00e9", "\udcff"):
+        with pytest.raises(ValueError, match="API key"):
+            check_api_key(bad)
+    with pytest.raises(ValueError, match="API key"):
+        api_server.build_app(EngineConfig(), api_key="bad key")
