@@ -32,7 +32,7 @@ def peak_rss_mb():
 t0 = time.perf_counter()
 from shm_engine import LLM, SamplingParams
 t1 = time.perf_counter()
-llm = LLM()
+llm = LLM(**json.loads(sys.argv[1]))
 t2 = time.perf_counter()
 llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
              use_tqdm=False)
@@ -47,11 +47,15 @@ print(json.dumps({"import_s": t1 - t0, "llm_init_s": t2 - t1, "first_generate_s"
 _KEYS = ("import_s", "llm_init_s", "first_generate_s", "shutdown_s", "frontend_peak_rss_mb")
 
 
-def one_run() -> dict:
+def one_run(engine_args: dict) -> dict:
     # NOTE: run from "/": a -c script puts its working directory first on sys.path, where a
     # checkout would shadow the shm_engine that PYTHONPATH or the installation names.
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300, cwd="/"
+        [sys.executable, "-c", _CHILD, json.dumps(engine_args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
     )
     if done.returncode != 0:
         raise RuntimeError(f"start-up run failed: {done.stderr[-2000:]}")
@@ -62,10 +66,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument(
+        "--weight-dtype", default=None, choices=["auto", "int8", "int4"], help="LLM(weight_dtype=)"
+    )
     args = ap.parse_args()
+    engine_args = {"weight_dtype": args.weight_dtype} if args.weight_dtype else {}
     print(f"# {cpu_model()}, {len(os.sched_getaffinity(0))} cores, {args.runs} runs")
-    one_run()  # the files into the page cache
-    runs = [one_run() for _ in range(args.runs)]
+    one_run(engine_args)  # the files into the page cache
+    runs = [one_run(engine_args) for _ in range(args.runs)]
     medians = {k: statistics.median(r[k] for r in runs) for k in _KEYS}
     for k in _KEYS:
         unit = "MB" if k.endswith("_mb") else "s"
