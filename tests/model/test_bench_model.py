@@ -35,6 +35,11 @@ def test_bench_model_json_keys(tmp_path: Path) -> None:
     assert ("ours_a8" in impls) == (r["machine"]["kernel_path"] in {"vnni", "amx"})
     assert all(g["gops"] > 0 for g in r["gemm"])
     assert r["machine"]["kernel_path"] in {"portable", "avx2", "vnni", "amx"}
+    # weight_dtype "auto": SmolLM2's Q4_1 layers in W4 where the path lacks VNNI, the all-W8
+    # model measured beside them (w8_ keys)
+    w4 = r["machine"]["kernel_path"] in {"avx2", "portable"}
+    assert r["weight_dtype"] == "auto" and ("120 of 120 layer matrices int4" in r["weights"]) == w4
+    assert ("w8_prefill_tok_s" in r) == w4
     # the opt-in int8 activations side by side where the kernel path runs them
     if r["machine"]["kernel_path"] == "vnni":
         assert r["a8_prefill_tok_s"] > 0 and set(r["a8_decode_tok_s"]) == {"1", "8", "16", "32"}
