@@ -689,6 +689,18 @@ AVX2_FN __attribute__((noinline)) static void avx2_rows2_dots(const gemm_ctx *c,
     avx2_rows2_kernel(c, blk, wb, i, 1);
 }
 
+/* bx[row][r]: rows i0 .. i0 + 2's activations k 4r .. 4r + 3 of group g, broadcast (the pairs
+ * alternate along the lanes), for the 3-row passes' memory operands */
+INLINE AVX2_FN void avx2_broadcast_rows3(const gemm_ctx *c, int64_t i0, int64_t g,
+                                         __m256i bx[3][GK / 4]) {
+    for (int row = 0; row < 3; row++)
+        for (int r = 0; r < GK / 4; r++) {
+            int64_t t;
+            memcpy(&t, c->xq + (i0 + row) * c->kp + g * GK + 4 * r, 8);
+            bx[row][r] = _mm256_set1_epi64x(t);
+        }
+}
+
 /* Three rows from the quad rows as they lie: each widened weight quad feeds all three, so the
  * block's weights are read once where a two-row and a one-row pass read them twice (3 rows cost
  * 1.54x one row that way on AVX2; speculative decoding with 2 drafts runs 3 rows a step).
@@ -697,18 +709,11 @@ AVX2_FN __attribute__((noinline)) static void avx2_rows2_dots(const gemm_ctx *c,
  * (3 x 8 x 32 bytes, L1-resident), and the loop is asm as in avx2_rows2_kernel. */
 INLINE AVX2_FN void avx2_rows3_kernel(const gemm_ctx *c, int64_t blk, const int8_t *wb,
                                       int64_t i0, const int raw) {
-    const int16_t *x[3] = {c->xq + i0 * c->kp, c->xq + (i0 + 1) * c->kp,
-                           c->xq + (i0 + 2) * c->kp};
     float f[3][NB] __attribute__((aligned(32))) = {{0}};
     __m256i bx[3][GK / 4];
     for (int64_t g = 0; g < c->G; g++) {
         const int8_t *w = wb + g * GBYTES;
-        for (int row = 0; row < 3; row++)
-            for (int r = 0; r < GK / 4; r++) { /* activations k 4r .. 4r + 3, alternating */
-                int64_t p;
-                memcpy(&p, x[row] + g * GK + 4 * r, 8);
-                bx[row][r] = _mm256_set1_epi64x(p);
-            }
+        avx2_broadcast_rows3(c, i0, g, bx);
         __m256i e0 = _mm256_setzero_si256(), e1 = e0, e2 = e0, e3 = e0;
         __m256i h0 = e0, h1 = e0, h2 = e0, h3 = e0, k0 = e0, k1 = e0, k2 = e0, k3 = e0;
         for (int r = 0; r < GK / 4; r++) {
@@ -840,12 +845,7 @@ INLINE AVX2_FN void avx2_w4_rows3_kernel(const gemm_ctx *c, int64_t blk, int64_t
     __m256i bx[3][GK / 4];
     for (int64_t g = 0; g < c->G; g++) {
         const int8_t *w = wb + g * (GBYTES / 2);
-        for (int row = 0; row < 3; row++)
-            for (int r = 0; r < GK / 4; r++) { /* activations k 4r .. 4r + 3, broadcast */
-                int64_t t;
-                memcpy(&t, c->xq + (i0 + row) * c->kp + g * GK + 4 * r, 8);
-                bx[row][r] = _mm256_set1_epi64x(t);
-            }
+        avx2_broadcast_rows3(c, i0, g, bx);
         __m256i e0 = _mm256_setzero_si256(), e1 = e0, e2 = e0, e3 = e0;
         __m256i h0 = e0, h1 = e0, h2 = e0, h3 = e0, k0 = e0, k1 = e0, k2 = e0, k3 = e0;
         for (int p = 0; p < 4; p++) {

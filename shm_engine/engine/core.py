@@ -153,7 +153,7 @@ class EngineCore:
             vocab_size=r.vocab_size,
             eos_token_ids=list(r.eos_token_ids),
             model_name=r.model_name,
-            weights=getattr(r.model, "weight_summary", "fp32 weights"),
+            weights=r.weight_summary,
         )
 
     def has_work(self) -> bool:

@@ -135,6 +135,8 @@ class ModelRunner:
                 allocate_kv, self.model_config, self.num_blocks, self.block_size, kv_dtype
             )
             self.model = model if model is not None else build_model(config, loaded)
+            # what the model packed, for the start-up logs (Int8Llama.weight_summary)
+            self.weight_summary = getattr(self.model, "weight_summary", "fp32 weights")
             loaded_at = time.perf_counter()
             self.kv_caches = kv_future.result()
         kv_wait = time.perf_counter() - loaded_at
@@ -168,7 +170,7 @@ class ModelRunner:
             "model runner: model built in %.2f s (%s); %d KV blocks of %d tokens (%.0f MiB), "
             "%.2f s more to allocate",
             loaded_at - started,
-            getattr(self.model, "weight_summary", "fp32 weights"),
+            self.weight_summary,
             self.num_blocks,
             self.block_size,
             self.num_blocks * per_block / 2**20,

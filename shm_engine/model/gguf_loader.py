@@ -200,9 +200,10 @@ def w4_grid_of(t: ReaderTensor) -> W4Grid:
     block_bytes, block_len, read = _GRIDS[t.tensor_type]
     rows, cols = (int(x) for x in reversed(t.shape.tolist()))
     raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))
+    if cols % block_len:  # ggml keeps rows whole blocks: a file that does not is broken
+        raise ValueError(f"{t.name}: rows of {cols} are not whole {t.tensor_type.name} blocks")
     u, s, m = read(raw.view(-1, block_bytes))
-    groups = cols // 32  # GGUF rows are whole blocks: cols is a multiple of block_len
-    assert cols % block_len == 0
+    groups = cols // 32
     return W4Grid(u.reshape(rows, cols), s.reshape(rows, groups), m.reshape(rows, groups))
 
 

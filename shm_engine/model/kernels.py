@@ -320,19 +320,17 @@ class PackedLinear:
         n, k = w.shape
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
+        if w4 and act8:
+            raise ValueError("w4 and act8 do not combine")
+        packed, scales, mins = cls._buffers(n, k, arena, w4)
         if w4:
-            if act8:
-                raise ValueError("w4 and act8 do not combine")
-            packed, scales = cls._buffers(n, k, arena, w4=True)
-            mins = (arena.take if arena else torch.empty)(scales.numel(), dtype=torch.int16)
             amax = float(lib.shmk_weights_amax(_f32(w), w.numel()))
-            mult = lib.shmk_pack_rows_w4(_f32(w), n, k, amax, _u8(packed), _u16(scales), _u16(mins))
-            b = None if bias is None else _cpu_f32(bias)
-            return cls(n, k, packed, scales, float(mult), b, act_bf16, mins=mins)
-        packed, scales = cls._buffers(n, k, arena)
-        if act8:
-            w = rotate_groups(w)  # [n, kp]: the padded columns are no longer zeros
-        mult = float(lib.shmk_pack_weights(_f32(w), n, w.shape[1], _i8(packed), _u16(scales)))
+            pack = lib.shmk_pack_rows_w4(_f32(w), n, k, amax, _u8(packed), _u16(scales), _u16(mins))
+            mult = float(pack)
+        else:
+            if act8:
+                w = rotate_groups(w)  # [n, kp]: the padded columns are no longer zeros
+            mult = float(lib.shmk_pack_weights(_f32(w), n, w.shape[1], _i8(packed), _u16(scales)))
         if act8:
             # NOTE: + 128 (mod 256): stored as u8, vpdpbusd's unsigned operand (gemm_a8.c)
             packed.bitwise_xor_(-128)
@@ -340,7 +338,7 @@ class PackedLinear:
         if bias is not None:
             b = _cpu_f32(bias)
             _shape(b, "bias", (n,))
-        return cls(n, k, packed, scales, mult, b, act_bf16, act8)
+        return cls(n, k, packed, scales, mult, b, act_bf16, act8, mins)
 
     @classmethod
     def from_w4_grid(
@@ -374,8 +372,7 @@ class PackedLinear:
         e = math.frexp(amax)[1] if amax > 0 else 0
         mult = 2.0 ** (e - 15)
         nb = -(-n // 16)
-        packed, sbuf = cls._buffers(n, k, arena, w4=True)
-        mbuf = (arena.take if arena else torch.empty)(sbuf.numel(), dtype=torch.int16)
+        packed, sbuf, mbuf = cls._buffers(n, k, arena, w4=True)
         up = torch.zeros(nb * 16, groups * 32, dtype=torch.uint8)
         up[:n, :k] = u
         # [block, channel, group, quad row r, k 4r + t] -> [block, group, r, channel, t]; quad
@@ -397,16 +394,19 @@ class PackedLinear:
     @staticmethod
     def _buffers(
         n: int, k: int, arena: HugeArena | None, w4: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uninitialised packed bytes and fp16 scales for an [n, k] weight (arena or heap)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Uninitialised packed bytes, fp16 scales and (W4) fp16 minimums for an [n, k] weight
+        (arena or heap)."""
         take = (
             arena.take
             if arena is not None
             else lambda numel, dtype: torch.empty(numel, dtype=dtype)
         )
+        groups = int(lib.shmk_packed_scales(n, k))
         return (
             take(PackedLinear.packed_bytes(n, k, w4), torch.int8),
-            take(int(lib.shmk_packed_scales(n, k)), torch.int16),
+            take(groups, torch.int16),
+            take(groups, torch.int16) if w4 else None,
         )
 
     @classmethod
@@ -442,7 +442,7 @@ class PackedLinear:
         for a, b in spans:
             w = chunk(a, b)
             amax = max(amax, float(lib.shmk_weights_amax(_f32(w), w.numel())))
-        packed, scales = cls._buffers(n, k, arena)
+        packed, scales, _ = cls._buffers(n, k, arena)
         block_bytes, block_scales = padded_k(k) * 16, padded_k(k) // 32 * 16
         mult = 1.0
         for a, b in spans:
