@@ -3,7 +3,8 @@
 - GEMM GOP/s for the model's shapes at M = 1, 8, 32, 256 (ours, torch fp32, torch dynamic int8);
 - prefill tokens/s of a 512-token prompt;
 - decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context (batch over the median step);
-  on kernel path "vnni" also for the opt-in int8 activations (`a8_` keys; smoothed weights);
+  also for the opt-in int8 activations where they run (`a8_` keys): on kernel path "vnni"
+  (W8, smoothed weights), or on the 4-bit layers elsewhere (W4 x A8);
   where ``--weight-dtype auto`` (the engine's default) packs layers in 4 bits, also for the
   all-int8 model (`w8_` keys);
 - peak RSS of a fresh process that loads the model as measured (KV cache excluded).
@@ -113,7 +114,8 @@ def main() -> int:
         "--activation-dtype",
         default="int16",
         choices=["int16", "int8"],
-        help="the int8 model's activations in its layers (int8: AVX512-VNNI only)",
+        help="the int8 model's activations in its layers (int8: on AVX512-VNNI, or on 4-bit "
+        "layers; measured beside int16 where it runs)",
     )
     ap.add_argument(
         "--gemm-ms", type=float, default=300.0, help="GEMM table: timing budget a point, ms"
@@ -128,14 +130,12 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM table")
     args = ap.parse_args()
-    if args.weight_dtype == "int4" and args.activation_dtype == "int8":
-        ap.error("--weight-dtype int4 runs on int16 activations")
     steps = 8 if args.quick else 32
     repeats = 2 if args.quick else 5
 
     from benchmarks.bench_gemm import format_table, gemm_rows
     from benchmarks.machine import describe, machine_info
-    from shm_engine.model.int8_model import Int8Llama, calibration_ids
+    from shm_engine.model.int8_model import Int8Llama, calibration_ids, smooths
     from shm_engine.model.loader import load_model
     from shm_engine.model.torch_model import TorchLlama
 
@@ -167,7 +167,9 @@ def main() -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             activation_dtype=act,
             # as the engine builds it (model_runner.build_model)
-            calibration_ids=calibration_ids(loaded.tokenizer) if act == "int8" else None,
+            calibration_ids=(
+                calibration_ids(loaded.tokenizer) if smooths(act, weight_dtype) else None
+            ),
             weight_dtype=weight_dtype,
         )
 
@@ -180,6 +182,8 @@ def main() -> int:
     # the opt-in 8-bit activations side by side, where the kernel path runs them
     if args.activation_dtype == "int16" and machine["kernel_path"] == "vnni":
         models["a8"] = int8_model("int8", "int8")
+    elif args.activation_dtype == "int16" and any(models["int8"].w4_linears):
+        models["a8"] = int8_model("int8", args.weight_dtype)  # W4 x A8 (gemm_w4a8.c)
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
     threads = torch.get_num_threads()

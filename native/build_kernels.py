@@ -16,6 +16,7 @@ SOURCES = [
     "gemm_amx.c",
     "gemm_amx8.c",
     "gemm_a8.c",
+    "gemm_w4a8.c",
     "w4.c",
     "ops.c",
     "kv_quant.c",

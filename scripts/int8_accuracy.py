@@ -7,8 +7,12 @@ text the tests hold to 98 %); on chat inputs (questions no test uses, in the cha
 each followed by fp32's greedy answer, teacher-forced), KL and top-1; and whether 16 greedy
 tokens of the tests' three prompts match fp32's.
 
-    python scripts/int8_accuracy.py              # default int16 and smoothed int8
-    python scripts/int8_accuracy.py --portable-a8  # 8-bit layers on a CPU without VNNI
+    python scripts/int8_accuracy.py              # W8 and W4 layers, int16 and int8 activations
+    python scripts/int8_accuracy.py --portable-a8  # smoothed W8 x A8 on a CPU without VNNI
+
+The configurations: W8 layers on int16 activations; the same smoothed on 8-bit ones (gemm_a8.c);
+the layers a GGUF holds in 4 bits packed so (``weight_dtype="int4"``) on int16 activations, and
+on 8-bit ones for o, gate_up and down (gemm_w4a8.c).
 
 ``--portable-a8`` packs the 8-bit layers whatever the kernel path (Int8Llama only does so on
 path "vnni"): below VNNI they run on the portable twin, which gives the VNNI kernel's bits.
@@ -103,15 +107,23 @@ def main() -> int:
     print(
         f"kernel path {kernels.get_path()}; texts: {sum(map(len, texts))} tokens, chats: {sum(map(len, chats))}"
     )
-    for name, act, calib in (
-        ("int16 (default)", "int16", None),
-        ("int8, smoothed", "int8", calibration_ids(tok)),
+    for name, act, weights, calib in (
+        ("W8 x A16", "int16", "int8", None),
+        ("W8 x A8 smoothed", "int8", "int8", calibration_ids(tok)),
+        ("W4 x A16", "int16", "int4", None),
+        ("W4 x A8", "int8", "int4", None),
     ):
         path = kernels.get_path
-        if args.portable_a8:
+        if args.portable_a8 and weights == "int8":
             kernels.get_path = lambda: "vnni"
         try:
-            model = Int8Llama(config, loaded.weights, activation_dtype=act, calibration_ids=calib)
+            model = Int8Llama(
+                config,
+                loaded.weights,
+                activation_dtype=act,
+                calibration_ids=calib,
+                weight_dtype=weights,
+            )
         finally:
             kernels.get_path = path
         kl, agree = closeness(model, ref, config, texts)
@@ -122,7 +134,7 @@ def main() -> int:
             for p, w in zip(prompts, wanted, strict=True)
         ]
         print(
-            f"{name:16s} texts KL {kl:.5f} top-1 {agree:.4f} (tests' text {first:.4f}) | "
+            f"{name:17s} texts KL {kl:.5f} top-1 {agree:.4f} (tests' text {first:.4f}) | "
             f"chats KL {ckl:.5f} top-1 {cagree:.4f} | greedy {' '.join(same)}",
             flush=True,
         )

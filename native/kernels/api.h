@@ -53,7 +53,9 @@ typedef struct {
     int act_bf16;
     /* 1: packed from W H / 32 (kernels.rotate_groups), each byte + 128: every call takes
      * gemm_a8.c, which rotates each 32 k of the activations by H and quantises them to 8 bits,
-     * a scale per group (on path vnni faster than the int16 kernel, at a cost in accuracy) */
+     * a scale per group (on path vnni faster than the int16 kernel, at a cost in accuracy);
+     * on W4 weights (mins), packed as ever: every call takes gemm_w4a8.c, 8-bit activations a
+     * scale per 16 k, unrotated (vpmaddubsw: on AVX2 faster than the int16 kernels) */
     int act8;
     /* non-NULL: W4 weights (packed by shmk_pack_rows_w4; packed then holds nibbles), w = s u + m
      * with these group minimums m (fp16 bits, signed, times scale_mult) */
@@ -101,6 +103,12 @@ void shmk_quantize_rows_a8(const float *x, int64_t m, int64_t k, int8_t *xq, flo
 /* y[m,n] = (H x) @ dequant(W)^T (+ bias) on 8-bit activations at any m (whatever w->act8 says):
  * the VNNI kernel on paths vnni / amx, else the portable one (the same bits) */
 void shmk_linear_a8(const float *x, int64_t m, const shmk_linear_t *w, float *y);
+
+/* ---- W4 x A8 GEMM (gemm_w4a8.c): W4 weights with act8 ---- */
+/* activations: xq[m][kp] int8 a scale per 16 k (zero padded), scales[m][kp/16], and sums[m][kp/32]
+ * each group's sum as quantised (fmaf(s_hi, sum_hi, s_lo sum_lo)); see gemm_w4a8.c */
+void shmk_quantize_rows_w4a8(const float *x, int64_t m, int64_t k, int8_t *xq, float *scales,
+                             float *sums);
 
 /* ---- elementwise / normalisation ---- */
 /* if residual != NULL: x += residual (in place); then out = x * rsqrt(mean(x^2) + eps) * w */

@@ -141,6 +141,11 @@ void shmk_quant_kv_row(const float *x, int64_t d, int8_t *q, float *scale);
 void shmk_linear_a8_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                          int accumulate);
 
+/* y (+)= linear(x) of a W4 weight on 8-bit activations (gemm_w4a8.c; shmk_linear_impl's
+ * choice for W4 weights with act8) */
+void shmk_linear_w4a8_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
+                           int accumulate);
+
 /* GEMM internal reused by the fused layer: y (+)= linear(x). */
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate);
 

@@ -1153,10 +1153,11 @@ int shmk_amx_bf16_min_rows(void) { return SHMK_AMX_MIN_M; }
 void shmk_linear_impl(const shmk_linear_t *w, const float *x, int64_t m, float *y,
                       int accumulate) {
     if (m <= 0 || w->n <= 0) return;
-    /* NOTE: on every path: act8 weights are packed rotated, which only gemm_a8.c undoes; W4
-     * weights (mins) take the integer kernels below whatever the path */
-    if (w->act8 && !w->mins) {
-        shmk_linear_a8_impl(w, x, m, y, accumulate);
+    /* NOTE: on every path: act8 weights are packed rotated, which only gemm_a8.c undoes, or
+     * (W4) want 8-bit activations (gemm_w4a8.c); other W4 weights (mins) take the integer
+     * kernels below whatever the path */
+    if (w->act8) {
+        (w->mins ? shmk_linear_w4a8_impl : shmk_linear_a8_impl)(w, x, m, y, accumulate);
         return;
     }
     const int amx = shmk_path() == SHMK_AMX && !w->mins;

@@ -90,8 +90,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"weight_dtype must be 'auto', 'int8' or 'int4', got {self.weight_dtype!r}"
             )
-        if self.weight_dtype == "int4" and self.activation_dtype != "int16":
-            raise ValueError("weight_dtype 'int4' runs on int16 activations")
         if self.dtype == "float32" and self.weight_dtype == "int4":
             raise ValueError("weight_dtype applies to the int8 model only")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

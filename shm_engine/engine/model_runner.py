@@ -43,7 +43,7 @@ def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
 def build_model(config: EngineConfig, loaded: LoadedModel):
     """Build the int8 (native kernels) or fp32 (torch) paged model from loaded weights."""
     if config.dtype == "int8":
-        from shm_engine.model.int8_model import Int8Llama, calibration_ids
+        from shm_engine.model.int8_model import Int8Llama, calibration_ids, smooths
 
         return Int8Llama(
             loaded.config,
@@ -52,11 +52,14 @@ def build_model(config: EngineConfig, loaded: LoadedModel):
             kv_cache_dtype=_int8_kv_name(config),
             activation_dtype=config.activation_dtype,
             weight_dtype=config.weight_dtype,
-            # NOTE: 8-bit activations want smoothed weights (half their error); int16 ones keep
-            # the weights as they are (smoothing halves their KL to fp32 too, but swapped a
-            # near-tie first token of a test prompt: docs/kernels.md)
+            # NOTE: 8-bit activations on W8 weights (path vnni) want smoothed weights (half
+            # their error); int16 ones keep the weights as they are (smoothing halves their KL
+            # to fp32 too, but swapped a near-tie first token of a test prompt:
+            # docs/kernels.md), and so do W4 ones (smoothing would move them off their grids)
             calibration_ids=(
-                calibration_ids(loaded.tokenizer) if config.activation_dtype == "int8" else None
+                calibration_ids(loaded.tokenizer)
+                if smooths(config.activation_dtype, config.weight_dtype)
+                else None
             ),
         )
     from shm_engine.model.torch_model import TorchLlama

@@ -32,7 +32,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--activation-dtype",
         default="int16",
         choices=["int16", "int8"],
-        help="the layers' activations (int8: faster on kernel path vnni, less exact)",
+        help="the layers' activations (int8: faster, less exact; on kernel path vnni, or on "
+        "4-bit layers)",
     )
     p.add_argument(
         "--weight-dtype",

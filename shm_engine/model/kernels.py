@@ -225,7 +225,8 @@ class PackedLinear:
     Attributes: ``n``, ``k`` (logical shape [n, k]), ``kp`` (k padded to 32), ``groups``
     (kp / 32), ``packed`` (int8, flat, ceil(n/16)*16 * kp bytes; half that for W4), ``scales``
     (fp16 bits as int16, flat [ceil(n/16)][groups][16]), ``scale_mult`` (power of two), ``bias``
-    (fp32 [n] or None), ``act8`` (packed rotated, for 8-bit activations: see ``from_float``),
+    (fp32 [n] or None), ``act8`` (8-bit activations; a W8 weight is then packed rotated: see
+    ``from_float``),
     ``mins`` (W4 only: the group minimums, laid out as ``scales``; see ``from_float``).
     """
 
@@ -248,8 +249,6 @@ class PackedLinear:
         _check(scales, "scales", torch.int16, 1)
         _shape(scales, "scales", (int(lib.shmk_packed_scales(self.n, self.k)),))
         if mins is not None:
-            if act8:
-                raise ValueError("a W4 weight (mins) cannot be act8")
             _check(mins, "mins", torch.int16, 1)
             _shape(mins, "mins", tuple(scales.shape))
         if bias is not None:
@@ -311,7 +310,9 @@ class PackedLinear:
         ``w4``: 4-bit weights, w = s u + m with u in [0, 15] and a scale s and minimum m per
         (channel, 32 k), llama.cpp's Q4_1 grid or, where it fits better, Q4_0's (native w4.c):
         tensors a GGUF file holds in those formats pack back exactly. The GEMM runs them on
-        int16 activations as W8, plus each group's activation sum times m."""
+        int16 activations as W8, plus each group's activation sum times m; with ``act8`` on
+        8-bit activations a scale per 16 k, unrotated (gemm_w4a8.c: vpmaddubsw, faster on
+        AVX2; the weight is packed the same either way)."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D torch.Tensor [n, k]")
         if not weight.is_floating_point():
@@ -320,8 +321,6 @@ class PackedLinear:
         n, k = w.shape
         if n < 1 or k < 1:
             raise ValueError(f"weight must be non-empty, got shape {tuple(w.shape)}")
-        if w4 and act8:
-            raise ValueError("w4 and act8 do not combine")
         packed, scales, mins = cls._buffers(n, k, arena, w4)
         if w4:
             amax = float(lib.shmk_weights_amax(_f32(w), w.numel()))
@@ -331,7 +330,7 @@ class PackedLinear:
             if act8:
                 w = rotate_groups(w)  # [n, kp]: the padded columns are no longer zeros
             mult = float(lib.shmk_pack_weights(_f32(w), n, w.shape[1], _i8(packed), _u16(scales)))
-        if act8:
+        if act8 and not w4:
             # NOTE: + 128 (mod 256): stored as u8, vpdpbusd's unsigned operand (gemm_a8.c)
             packed.bitwise_xor_(-128)
         b = None
@@ -348,11 +347,13 @@ class PackedLinear:
         mins: torch.Tensor,
         bias: torch.Tensor | None = None,
         arena: HugeArena | None = None,
+        act8: bool = False,
     ) -> PackedLinear:
         """Pack a matrix already on 4-bit grids, w[j, k] = scales[j, g] u[j, k] + mins[j, g] with
         g = k // 32 (u uint8 [n, k] in 0 .. 15; scales, mins fp32 [n, groups]), as a GGUF
         file's Q4_0 / Q4_1 / Q4_K blocks hold it: exact but for rounding the scales and
-        minimums to fp16 (nearest even; those of Q4_0 and Q4_1 are fp16 already).
+        minimums to fp16 (nearest even; those of Q4_0 and Q4_1 are fp16 already). ``act8``:
+        run it on 8-bit activations (``from_float``).
 
         NOTE: the same layout as ``from_float(w4=True)`` writes in C (w4.c), built with torch."""
         _check(u, "u", torch.uint8, 2)
@@ -389,7 +390,7 @@ class PackedLinear:
         fp16_bits(scales, sbuf)
         fp16_bits(mins, mbuf)
         b = None if bias is None else _cpu_f32(bias)
-        return cls(n, k, packed, sbuf, mult, b, mins=mbuf)
+        return cls(n, k, packed, sbuf, mult, b, act8=act8, mins=mbuf)
 
     @staticmethod
     def _buffers(
@@ -489,7 +490,7 @@ class PackedLinear:
         lib.shmk_unpack_weights(
             _i8(self.packed), _u16(self.scales), self.scale_mult, self.n, k, _i8(q), _f32(s)
         )
-        if self.act8:
+        if self.act8 and not self.w4:
             q.bitwise_xor_(-128)  # stored + 128
         return q, s
 
@@ -523,7 +524,8 @@ class PackedLinear:
     def __repr__(self) -> str:
         bias = ", bias" if self.bias is not None else ""
         w4 = ", w4" if self.w4 else ""
-        return f"PackedLinear(n={self.n}, k={self.k}{bias}{w4})"
+        act8 = ", act8" if self.act8 else ""
+        return f"PackedLinear(n={self.n}, k={self.k}{bias}{w4}{act8})"
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,8 +538,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scales
 
 
+def quantize_rows_w4a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a W4 ``act8`` weight's GEMM makes of x fp32 [m, k] (gemm_w4a8.c): (xq int8
+    [m, padded_k(k)] zero-padded, a scale per 16 k fp32 [m, padded_k(k) / 16], each 32 k's
+    sum as quantised fp32 [m, padded_k(k) / 32])."""
+    _check(x, "x", torch.float32, 2)
+    m, k = x.shape
+    kp = padded_k(k)
+    xq = torch.empty(m, kp, dtype=torch.int8)
+    scales = torch.empty(m, kp // 16, dtype=torch.float32)
+    sums = torch.empty(m, kp // 32, dtype=torch.float32)
+    lib.shmk_quantize_rows_w4a8(_f32(x), m, k, _i8(xq), _f32(scales), _f32(sums))
+    return xq, scales, sums
+
+
 def _not_act8(w: PackedLinear) -> None:
-    if w.act8:
+    if w.act8 and not w.w4:
         raise ValueError("an act8 weight is stored rotated and + 128: only linear() reads it")
 
 

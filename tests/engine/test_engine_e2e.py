@@ -592,10 +592,12 @@ def test_int8_kv_cache_holds_more_tokens_and_serves():
         EngineConfig(dtype="float32", kv_cache_dtype="int8")
 
 
-def test_int8_activations_serve_on_smoothed_weights():
-    """activation_dtype="int8": the engine smooths the weights (a calibration forward at load)
-    and marks the layers for 8-bit activations; the answer stays right, and a request's tokens
-    do not depend on what else shares its steps (every row count takes the same kernel)."""
+def test_int8_activations_serve():
+    """activation_dtype="int8": on path vnni the engine smooths the weights (a calibration
+    forward at load) and marks the layers for 8-bit activations; on avx2 and portable it marks
+    the 4-bit layers (SmolLM2's Q4_1 ones, unsmoothed: W4 x A8); the answer stays right, and a
+    request's tokens do not depend on what else shares its steps (every row count takes the
+    same kernel)."""
     from shm_engine import LLM
     from shm_engine.model import kernels
 
@@ -603,7 +605,10 @@ def test_int8_activations_serve_on_smoothed_weights():
     prompts = ["The capital of France is"] + [f"Count from {i} to {i + 5}:" for i in range(5)]
     with LLM(dtype=DTYPE, activation_dtype="int8", in_process=True) as llm:
         model = llm.client.core.runner.model
-        assert model.smoothed and model.layers[0].gate_up.act8 == (kernels.get_path() == "vnni")
+        path = kernels.get_path()
+        assert model.smoothed == (path == "vnni")
+        assert model.layers[0].gate_up.act8 == (path != "amx")
+        assert model.layers[0].gate_up.w4 == (path in ("avx2", "portable"))
         together = llm.generate(prompts, params, use_tqdm=False)
         alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert "Paris" in together[0].outputs[0].text, together[0].outputs[0].text

@@ -40,8 +40,9 @@ def test_bench_model_json_keys(tmp_path: Path) -> None:
     w4 = r["machine"]["kernel_path"] in {"avx2", "portable"}
     assert r["weight_dtype"] == "auto" and ("120 of 120 layer matrices int4" in r["weights"]) == w4
     assert ("w8_prefill_tok_s" in r) == w4
-    # the opt-in int8 activations side by side where the kernel path runs them
-    if r["machine"]["kernel_path"] == "vnni":
+    # the opt-in int8 activations side by side where a kernel runs them: W8 x A8 on path
+    # vnni, W4 x A8 where the layers are W4
+    if r["machine"]["kernel_path"] == "vnni" or w4:
         assert r["a8_prefill_tok_s"] > 0 and set(r["a8_decode_tok_s"]) == {"1", "8", "16", "32"}
     else:
         assert "a8_prefill_tok_s" not in r
