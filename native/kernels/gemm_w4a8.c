@@ -197,6 +197,33 @@ INLINE AVX2_FN void avx2_store8(const w4a8_ctx *c, int64_t i, int64_t j0, __m256
     _mm256_storeu_ps(y, v);
 }
 
+/* The broadcasts a row slab's kernels multiply by, built once per slab, task and chunk of
+ * groups and read as memory operands by every block's passes: for group g0 + gi,
+ * bx[((gi * 4 + p) * 2 + h) * mr + r] = row i0 + r's activations k 4p .. 4p + 3 (h = 0) or
+ * k 16 + 4p .. (h = 1) of the group, in each dword lane.
+ * NOTE: a vpbroadcastd per product in the loop had been a third of its instructions; chunks of
+ * W4A8_BX_BYTES keep the broadcasts in L1 (all of k = 1536 for 4 rows, 48 KB, had left the
+ * down projection's speed where the int16 kernel's is). */
+#define W4A8_BX_BYTES (24 * 1024)
+AVX2_FN static void avx2_broadcasts(const w4a8_ctx *c, int64_t i0, int mr, int64_t g0, int64_t g1,
+                                    __m256i *bx) {
+    __m256 *bs = (__m256 *)(bx + (g1 - g0) * 8 * mr);
+    for (int64_t g = g0; g < g1; g++)
+        for (int r = 0; r < mr; r++) {
+            for (int p = 0; p < 4; p++)
+                for (int h = 0; h < 2; h++) {
+                    int32_t v;
+                    memcpy(&v, c->xq + (i0 + r) * c->kp + g * GK + h * HALF + 4 * p, 4);
+                    bx[(((g - g0) * 4 + p) * 2 + h) * mr + r] = _mm256_set1_epi32(v);
+                }
+            /* the row's two half scales and its activation sum, for the epilogue */
+            const float *sx = c->sx + (i0 + r) * 2 * c->G + 2 * g;
+            __m256 *o = bs + ((g - g0) * mr + r) * 3;
+            o[0] = _mm256_set1_ps(sx[0]), o[1] = _mm256_set1_ps(sx[1]);
+            o[2] = _mm256_set1_ps(c->xs[(i0 + r) * c->G + g]);
+        }
+}
+
 /* Each 32 bytes of a nibble row p (8 channels x 4 k) give the u8 weights of k 4p .. 4p + 3
  * (low nibbles) and k 16 + 4p .. (high), in vpmaddubsw's layout: a dword lane per channel, so
  * a broadcast of the row's 4 activations multiplies them and the int16 lane pair (2c, 2c + 1)
@@ -204,69 +231,83 @@ INLINE AVX2_FN void avx2_store8(const w4a8_ctx *c, int64_t i, int64_t j0, __m256
  * gives each channel's exact int32 dot.
  * NOTE: the products and sums are asm: from intrinsics GCC reassociated the int16 adds into
  * trees, computing all 32 products of a group first and spilling them to the stack. */
-INLINE AVX2_FN void avx2_kernel(const w4a8_ctx *c, int64_t blk, int e, int64_t i0, const int mr) {
-    const int64_t G = c->G, kp = c->kp;
-    const uint8_t *wb = c->packed + blk * G * NIBBLE_GBYTES + 32 * e;
+/* Groups g0 .. g1 - 1 of block blk (halves e0 .. e0 + nh - 1) for rows i0 .. i0 + mr - 1,
+ * continuing the fp32 sums f[e * mr + r] (zeroed by the caller before group 0); stores them at
+ * the last group. */
+INLINE AVX2_FN void avx2_kernel(const w4a8_ctx *c, int64_t blk, int e0, int64_t i0, const int mr,
+                                const int nh, const __m256i *bx, int64_t g0, int64_t g1,
+                                float f[][8]) {
+    const int64_t G = c->G;
+    const uint8_t *wb = c->packed + blk * G * NIBBLE_GBYTES + 32 * e0;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const int8_t *x[4];
-    for (int r = 0; r < 4; r++) x[r] = c->xq + (i0 + (r < mr ? r : 0)) * kp;
-    float f[4][8] __attribute__((aligned(32))) = {{0}};
-    for (int64_t g = 0; g < G; g++) {
+    const __m256 *bs = (const __m256 *)(bx + (g1 - g0) * 8 * mr); /* avx2_broadcasts */
+    for (int64_t g = g0; g < g1; g++) {
         const uint8_t *w = wb + g * NIBBLE_GBYTES;
-        const int8_t *x0 = x[0] + g * GK, *x1 = x[1] + g * GK, *x2 = x[2] + g * GK,
-                     *x3 = x[3] + g * GK;
-        __m256i l0 = _mm256_setzero_si256(), l1 = l0, l2 = l0, l3 = l0;
-        __m256i h0 = l0, h1 = l0, h2 = l0, h3 = l0;
+        __m256i lo[4], hi[4]; /* [e * mr + r] */
+#pragma GCC unroll 4
+        for (int a = 0; a < 4; a++) lo[a] = hi[a] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
-            __m256i ul, uh, t;
-            __asm__("vmovdqu %[w], %[ul]\n\t"
-                    "vpsrlw $4, %[ul], %[uh]\n\t"
-                    "vpand %[low], %[ul], %[ul]\n\t"
-                    "vpand %[low], %[uh], %[uh]"
-                    : [ul] "=&x"(ul), [uh] "=x"(uh)
-                    : [w] "m"(*(const char(*)[32])(w + p * 64)), [low] "x"(low));
-            /* row xr: lo += maddubs(u_lo, bcast(k 4p ..)), hi += maddubs(u_hi, bcast(k 16 + 4p ..)) */
-#define W4A8_ROW(XR, L, H)                                                                    \
-    __asm__("vpbroadcastd %[al], %[t]\n\t"                                                    \
-            "vpmaddubsw %[t], %[ul], %[t]\n\t"                                                \
-            "vpaddw %[t], %[l], %[l]\n\t"                                                     \
-            "vpbroadcastd %[ah], %[t]\n\t"                                                    \
-            "vpmaddubsw %[t], %[uh], %[t]\n\t"                                                \
-            "vpaddw %[t], %[h], %[h]"                                                         \
-            : [l] "+x"(L), [h] "+x"(H), [t] "=&x"(t)                                          \
-            : [ul] "x"(ul), [uh] "x"(uh), [al] "m"(*(const int32_t *)((XR) + 4 * p)),         \
-              [ah] "m"(*(const int32_t *)((XR) + HALF + 4 * p)))
-            W4A8_ROW(x0, l0, h0);
-            if (mr > 1) W4A8_ROW(x1, l1, h1);
-            if (mr > 2) W4A8_ROW(x2, l2, h2);
-            if (mr > 3) W4A8_ROW(x3, l3, h3);
-#undef W4A8_ROW
-        }
-        const int64_t sg = (blk * G + g) * NB + 8 * e;
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->scales + sg)));
-        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->mins + sg)));
-        const __m256i lo[4] = {l0, l1, l2, l3}, hi[4] = {h0, h1, h2, h3};
+            const __m256i *b = bx + ((g - g0) * 4 + p) * 2 * mr; /* [h][r] */
+#pragma GCC unroll 2
+            for (int e = 0; e < nh; e++) {
+                __m256i ul, uh, t;
+                __asm__("vmovdqu %[w], %[ul]\n\t"
+                        "vpsrlw $4, %[ul], %[uh]\n\t"
+                        "vpand %[low], %[ul], %[ul]\n\t"
+                        "vpand %[low], %[uh], %[uh]"
+                        : [ul] "=&x"(ul), [uh] "=x"(uh)
+                        : [w] "m"(*(const char(*)[32])(w + p * 64 + 32 * e)), [low] "x"(low));
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) {
-            const float *sx = c->sx + (i0 + r) * 2 * G + 2 * g;
-            const __m256 dl = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo[r], ones));
-            const __m256 dh = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi[r], ones));
-            __m256 t = _mm256_mul_ps(dl, _mm256_set1_ps(sx[0]));
-            t = _mm256_fmadd_ps(dh, _mm256_set1_ps(sx[1]), t);
-            __m256 acc = _mm256_fmadd_ps(t, s, _mm256_load_ps(f[r]));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(c->xs[(i0 + r) * G + g]), mn, acc);
-            _mm256_store_ps(f[r], acc);
+                for (int r = 0; r < mr; r++)
+                    /* l += maddubs(u_lo, k 4p ..), h += maddubs(u_hi, k 16 + 4p ..) */
+                    __asm__("vpmaddubsw %[bl], %[ul], %[t]\n\t"
+                            "vpaddw %[t], %[l], %[l]\n\t"
+                            "vpmaddubsw %[bh], %[uh], %[t]\n\t"
+                            "vpaddw %[t], %[h], %[h]"
+                            : [l] "+x"(lo[e * mr + r]), [h] "+x"(hi[e * mr + r]), [t] "=&x"(t)
+                            : [ul] "x"(ul), [uh] "x"(uh), [bl] "m"(b[r]), [bh] "m"(b[mr + r]));
+            }
+        }
+#pragma GCC unroll 2
+        for (int e = 0; e < nh; e++) {
+            const int64_t sg = (blk * G + g) * NB + 8 * (e0 + e);
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->scales + sg)));
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->mins + sg)));
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                const __m256 *v = bs + ((g - g0) * mr + r) * 3; /* sx lo, sx hi, xs */
+                const int a = e * mr + r;
+                const __m256 dl = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo[a], ones));
+                const __m256 dh = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi[a], ones));
+                __m256 t = _mm256_mul_ps(dl, v[0]);
+                t = _mm256_fmadd_ps(dh, v[1], t);
+                __m256 acc = _mm256_fmadd_ps(t, s, _mm256_load_ps(f[a]));
+                acc = _mm256_fmadd_ps(v[2], mn, acc);
+                _mm256_store_ps(f[a], acc);
+            }
         }
     }
-    for (int r = 0; r < mr; r++) avx2_store8(c, i0 + r, blk * NB + 8 * e, _mm256_load_ps(f[r]));
+    if (g1 < G) return;
+    for (int e = 0; e < nh; e++)
+        for (int r = 0; r < mr; r++)
+            avx2_store8(c, i0 + r, blk * NB + 8 * (e0 + e), _mm256_load_ps(f[e * mr + r]));
 }
 
+/* Block blk for rows i .. i + MR - 1, groups g0 .. g1 - 1, sums f (8 rows of 8: [e][r]): 1-2
+ * rows take both halves a pass (each broadcast feeds two products; one row as two passes had
+ * been 12 % slower than the int16 kernel at k = 1536), 3-4 rows one half a pass (8 int16 sums
+ * fill the registers). */
 #define W4A8_PASSES(MR)                                                                       \
-    AVX2_FN __attribute__((noinline)) static void avx2_rows##MR(const w4a8_ctx *c,             \
-                                                                int64_t blk, int64_t i) {     \
-        avx2_kernel(c, blk, 0, i, MR);                                                        \
-        avx2_kernel(c, blk, 1, i, MR);                                                        \
+    AVX2_FN __attribute__((noinline)) static void avx2_rows##MR(                               \
+        const w4a8_ctx *c, int64_t blk, int64_t i, const __m256i *bx, int64_t g0, int64_t g1,  \
+        float f[][8]) {                                                                       \
+        if (MR <= 2) {                                                                        \
+            avx2_kernel(c, blk, 0, i, MR, 2, bx, g0, g1, f);                                  \
+        } else {                                                                              \
+            avx2_kernel(c, blk, 0, i, MR, 1, bx, g0, g1, f);                                  \
+            avx2_kernel(c, blk, 1, i, MR, 1, bx, g0, g1, f + MR);                             \
+        }                                                                                     \
     }
 W4A8_PASSES(1)
 W4A8_PASSES(2)
@@ -274,14 +315,25 @@ W4A8_PASSES(3)
 W4A8_PASSES(4)
 #undef W4A8_PASSES
 
-static void tile_avx2(const w4a8_ctx *c, int64_t blk, int64_t i0, int64_t i1) {
-    int64_t i = i0;
-    for (; i + 4 <= i1; i += 4) avx2_rows4(c, blk, i);
-    switch (i1 - i) {
-    case 3: avx2_rows3(c, blk, i); break;
-    case 2: avx2_rows2(c, blk, i); break;
-    case 1: avx2_rows1(c, blk, i); break;
-    default: break;
+/* Slabs of up to 4 rows, each over blocks b0 .. b1 - 1 a chunk of groups at a time (the
+ * blocks' fp32 sums wait in scratch between chunks: the groups still fold in order). */
+static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int64_t i1) {
+    typedef void (*rows_fn)(const w4a8_ctx *, int64_t, int64_t, const __m256i *, int64_t,
+                            int64_t, float[][8]);
+    static const rows_fn rows[4] = {avx2_rows1, avx2_rows2, avx2_rows3, avx2_rows4};
+    __m256i *bx = shmk_scratch(5, W4A8_BX_BYTES);
+    float(*f)[8][8] = shmk_scratch(6, (size_t)(b1 - b0) * sizeof *f);
+    for (int64_t i = i0; i < i1; i += 4) {
+        const int mr = i1 - i < 4 ? (int)(i1 - i) : 4;
+        /* as few chunks as fit, of equal size (k = 576: one; 1536: two for 4 rows) */
+        const int64_t most = W4A8_BX_BYTES / (11 * mr * (int64_t)sizeof(__m256i));
+        const int64_t chunk = shmk_cdiv(c->G, shmk_cdiv(c->G, most));
+        memset(f, 0, (size_t)(b1 - b0) * sizeof *f);
+        for (int64_t g0 = 0; g0 < c->G; g0 += chunk) {
+            const int64_t g1 = g0 + chunk < c->G ? g0 + chunk : c->G;
+            avx2_broadcasts(c, i, mr, g0, g1, bx);
+            for (int64_t b = b0; b < b1; b++) rows[mr - 1](c, b, i, bx, g0, g1, f[b - b0]);
+        }
     }
 }
 
@@ -290,9 +342,12 @@ static void gemm_task(void *vctx, int64_t task, int tid) {
     const w4a8_ctx *c = vctx;
     int64_t u0, u1, i0, i1;
     shmk_split_task(&c->plan, task, &u0, &u1, &i0, &i1);
-    for (int64_t u = u0; u < u1; u++)
-        for (int64_t b = 2 * u; b < 2 * u + 2 && b < c->nb; b++)
-            (c->path >= SHMK_AVX2 ? tile_avx2 : tile_portable)(c, b, i0, i1);
+    const int64_t b1 = 2 * u1 < c->nb ? 2 * u1 : c->nb;
+    if (c->path >= SHMK_AVX2) {
+        task_avx2(c, 2 * u0, b1, i0, i1);
+        return;
+    }
+    for (int64_t b = 2 * u0; b < b1; b++) tile_portable(c, b, i0, i1);
 }
 
 static void quant_task(void *vctx, int64_t task, int tid) {
