@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "vnni_tile.h" /* SHMK_PF_DIST */
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
@@ -249,6 +250,9 @@ INLINE AVX2_FN void avx2_kernel(const w4a8_ctx *c, int64_t blk, int e0, int64_t 
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
             const __m256i *b = bx + ((g - g0) * 4 + p) * 2 * mr; /* [h][r] */
+            /* the weights stream from memory in decode: the first pass over a line fetches
+             * ahead (as gemm16.c's W4 kernels do, the same distance in nibble bytes) */
+            if (e0 == 0) _mm_prefetch((const char *)w + p * 64 + SHMK_PF_DIST, _MM_HINT_T0);
 #pragma GCC unroll 2
             for (int e = 0; e < nh; e++) {
                 __m256i ul, uh, t;
