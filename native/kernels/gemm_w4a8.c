@@ -205,7 +205,7 @@ INLINE AVX2_FN void avx2_store8(const w4a8_ctx *c, int64_t i, int64_t j0, __m256
  * NOTE: a vpbroadcastd per product in the loop had been a third of its instructions; chunks of
  * W4A8_BX_BYTES keep the broadcasts in L1 (all of k = 1536 for 4 rows, 48 KB, had left the
  * down projection's speed where the int16 kernel's is). */
-#define W4A8_BX_BYTES (24 * 1024)
+#define W4A8_BX_BYTES (28 * 1024)
 AVX2_FN static void avx2_broadcasts(const w4a8_ctx *c, int64_t i0, int mr, int64_t g0, int64_t g1,
                                     __m256i *bx) {
     __m256 *bs = (__m256 *)(bx + (g1 - g0) * 8 * mr);
@@ -319,24 +319,34 @@ W4A8_PASSES(3)
 W4A8_PASSES(4)
 #undef W4A8_PASSES
 
-/* Slabs of up to 4 rows, each over blocks b0 .. b1 - 1 a chunk of groups at a time (the
- * blocks' fp32 sums wait in scratch between chunks: the groups still fold in order). */
+/* The task's blocks b0 .. b1 - 1 for rows i0 .. i1 - 1: runs of blocks whose nibbles fit in
+ * W4A8_RUN_BYTES, each for every slab of up to 4 rows, a chunk of groups at a time (the blocks'
+ * fp32 sums wait in scratch between chunks: the groups still fold in order).
+ * NOTE: slabs outside the blocks had read all of a task's weights again for every 4 rows (at
+ * batch 16 the up projection's 442 KB a thread, four times per step, from L3 or memory). */
+#define W4A8_RUN_BYTES (128 * 1024)
 static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int64_t i1) {
     typedef void (*rows_fn)(const w4a8_ctx *, int64_t, int64_t, const __m256i *, int64_t,
                             int64_t, float[][8]);
     static const rows_fn rows[4] = {avx2_rows1, avx2_rows2, avx2_rows3, avx2_rows4};
     __m256i *bx = shmk_scratch(5, W4A8_BX_BYTES);
-    float(*f)[8][8] = shmk_scratch(6, (size_t)(b1 - b0) * sizeof *f);
-    for (int64_t i = i0; i < i1; i += 4) {
-        const int mr = i1 - i < 4 ? (int)(i1 - i) : 4;
-        /* as few chunks as fit, of equal size (k = 576: one; 1536: two for 4 rows) */
-        const int64_t most = W4A8_BX_BYTES / (11 * mr * (int64_t)sizeof(__m256i));
-        const int64_t chunk = shmk_cdiv(c->G, shmk_cdiv(c->G, most));
-        memset(f, 0, (size_t)(b1 - b0) * sizeof *f);
-        for (int64_t g0 = 0; g0 < c->G; g0 += chunk) {
-            const int64_t g1 = g0 + chunk < c->G ? g0 + chunk : c->G;
-            avx2_broadcasts(c, i, mr, g0, g1, bx);
-            for (int64_t b = b0; b < b1; b++) rows[mr - 1](c, b, i, bx, g0, g1, f[b - b0]);
+    const int64_t run = W4A8_RUN_BYTES / (c->G * NIBBLE_GBYTES) > 1
+                            ? W4A8_RUN_BYTES / (c->G * NIBBLE_GBYTES)
+                            : 1;
+    float(*f)[8][8] = shmk_scratch(6, (size_t)run * sizeof *f);
+    for (int64_t r0 = b0; r0 < b1; r0 += run) {
+        const int64_t r1 = r0 + run < b1 ? r0 + run : b1;
+        for (int64_t i = i0; i < i1; i += 4) {
+            const int mr = i1 - i < 4 ? (int)(i1 - i) : 4;
+            /* as few chunks as fit, of equal size (k = 576: one; 1536: three for 4 rows) */
+            const int64_t most = W4A8_BX_BYTES / (11 * mr * (int64_t)sizeof(__m256i));
+            const int64_t chunk = shmk_cdiv(c->G, shmk_cdiv(c->G, most));
+            memset(f, 0, (size_t)(r1 - r0) * sizeof *f);
+            for (int64_t g0 = 0; g0 < c->G; g0 += chunk) {
+                const int64_t g1 = g0 + chunk < c->G ? g0 + chunk : c->G;
+                avx2_broadcasts(c, i, mr, g0, g1, bx);
+                for (int64_t b = r0; b < r1; b++) rows[mr - 1](c, b, i, bx, g0, g1, f[b - r0]);
+            }
         }
     }
 }
