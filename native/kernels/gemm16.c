@@ -28,9 +28,9 @@
  *
  * W4 weights (mins != NULL; w4.c packs them, api.h gives the layout and the contract) run here
  * too, on the portable and AVX2 code whatever the path: up to 4 rows read the nibbles in the
- * quad-row lane layout (avx2_w4_kernel, avx2_w4_rows3_kernel), from 5 each block is unpacked into the pair rows of the
- * 3-row tiles (avx2_w4_pair_block), and the minimums' sum is added before the store (avx2_mins,
- * add_mins). */
+ * quad-row lane layout (avx2_w4_kernel, avx2_w4_rows3_kernel), from 5 each block is unpacked
+ * into the pair rows of the 3-row tiles (avx2_w4_pair_block), and the minimums' sum is added
+ * before the store (avx2_mins, add_mins).  W4 weights with act8 take gemm_w4a8.c instead. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>

@@ -183,7 +183,7 @@ static void tile_portable(const w4a8_ctx *c, int64_t blk, int64_t i0, int64_t i1
     }
 }
 
-/* --- AVX2: mr (<= 4) rows x one half (8 channels) of a block a pass --- */
+/* --- AVX2: slabs of up to 4 rows x a block (two halves of 8 channels) --- */
 INLINE AVX2_FN void avx2_store8(const w4a8_ctx *c, int64_t i, int64_t j0, __m256 f) {
     if (c->n - j0 < 8) {
         float t[8];
@@ -206,6 +206,7 @@ INLINE AVX2_FN void avx2_store8(const w4a8_ctx *c, int64_t i, int64_t j0, __m256
  * W4A8_BX_BYTES keep the broadcasts in L1 (all of k = 1536 for 4 rows, 48 KB, had left the
  * down projection's speed where the int16 kernel's is). */
 #define W4A8_BX_BYTES (28 * 1024)
+#define W4A8_BX_PER_ROW 11 /* ymm a row and group: 8 activation broadcasts, 2 scales, 1 sum */
 AVX2_FN static void avx2_broadcasts(const w4a8_ctx *c, int64_t i0, int mr, int64_t g0, int64_t g1,
                                     __m256i *bx) {
     __m256 *bs = (__m256 *)(bx + (g1 - g0) * 8 * mr);
@@ -230,11 +231,11 @@ AVX2_FN static void avx2_broadcasts(const w4a8_ctx *c, int64_t i0, int mr, int64
  * a broadcast of the row's 4 activations multiplies them and the int16 lane pair (2c, 2c + 1)
  * holds channel c.  Per half, 4 products add in int16 (at most 4 x 3810) and vpmaddwd by ones
  * gives each channel's exact int32 dot.
+ * This runs groups g0 .. g1 - 1 of block blk (halves e0 .. e0 + nh - 1) for rows
+ * i0 .. i0 + mr - 1, continuing the fp32 sums f[e * mr + r] (zeroed by the caller before group
+ * 0), and stores them after the last group.
  * NOTE: the products and sums are asm: from intrinsics GCC reassociated the int16 adds into
  * trees, computing all 32 products of a group first and spilling them to the stack. */
-/* Groups g0 .. g1 - 1 of block blk (halves e0 .. e0 + nh - 1) for rows i0 .. i0 + mr - 1,
- * continuing the fp32 sums f[e * mr + r] (zeroed by the caller before group 0); stores them at
- * the last group. */
 INLINE AVX2_FN void avx2_kernel(const w4a8_ctx *c, int64_t blk, int e0, int64_t i0, const int mr,
                                 const int nh, const __m256i *bx, int64_t g0, int64_t g1,
                                 float f[][8]) {
@@ -339,7 +340,7 @@ static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int
         for (int64_t i = i0; i < i1; i += 4) {
             const int mr = i1 - i < 4 ? (int)(i1 - i) : 4;
             /* as few chunks as fit, of equal size (k = 576: one; 1536: three for 4 rows) */
-            const int64_t most = W4A8_BX_BYTES / (11 * mr * (int64_t)sizeof(__m256i));
+            const int64_t most = W4A8_BX_BYTES / (W4A8_BX_PER_ROW * mr * (int64_t)sizeof(__m256i));
             const int64_t chunk = shmk_cdiv(c->G, shmk_cdiv(c->G, most));
             memset(f, 0, (size_t)(r1 - r0) * sizeof *f);
             for (int64_t g0 = 0; g0 < c->G; g0 += chunk) {
