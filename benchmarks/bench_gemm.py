@@ -1,6 +1,7 @@
 """GEMM throughput for the SmolLM2-135M shapes: our int8 kernel vs torch fp32 vs torch dynamic int8.
 
     python -m benchmarks.bench_gemm [--threads N] [--ms 300] [--json PATH]
+    python -m benchmarks.bench_gemm --w4 [--threads 1]   # W8 against W4 on int16 and 8-bit acts
 
 GOP/s counts 2*m*n*k operations per call (multiply + add), including per-call activation
 quantisation for the int8 paths.  All implementations run side by side, interleaved, in one process;
@@ -35,6 +36,8 @@ MS = [1, 8, 32, 256]
 # runs (paths vnni, amx): elsewhere the portable twin is ~50x slower than int16 and the engine never
 # packs act8 weights there
 IMPLS = ["ours", "ours_int16", "ours_a8", "torch_fp32", "torch_int8_dyn"]
+# --w4: the W4 weight on int16 activations and on 8-bit ones (gemm_w4a8.c), beside W8
+W4_IMPLS = ["ours", "ours_w4", "ours_w4a8"]
 
 
 def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
@@ -44,6 +47,8 @@ def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
     packed = kernels.PackedLinear.from_float(w)
     exact = kernels.PackedLinear.from_float(w, act_bf16=False)
     a8 = kernels.PackedLinear.from_float(w, act8=True)
+    w4 = kernels.PackedLinear.from_float(w, w4=True)
+    w4a8 = kernels.PackedLinear.from_float(w, w4=True, act8=True)
     out = torch.empty(m, n)
     wt = w.t().contiguous()  # torch fp32: x @ W^T with a pre-transposed weight (its best case)
     fp_out = torch.empty(m, n)
@@ -56,6 +61,8 @@ def _make_impls(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
         "ours": lambda: kernels.linear(x, packed, out),
         "ours_int16": lambda: kernels.linear(x, exact, out),
         "ours_a8": lambda: kernels.linear(x, a8, out),
+        "ours_w4": lambda: kernels.linear(x, w4, out),
+        "ours_w4a8": lambda: kernels.linear(x, w4a8, out),
         "torch_fp32": lambda: torch.matmul(x, wt, out=fp_out),
         "torch_int8_dyn": lambda: qlin(x),
     }
@@ -139,6 +146,20 @@ def format_table(rows: list[dict]) -> str:
 SHAPES_ORDER = {s[0]: i for i, s in enumerate(SHAPES)}
 
 
+def format_w4_table(rows: list[dict]) -> str:
+    """GOP/s of W8, W4 on int16 activations and W4 x A8, and the last over the second."""
+    by = {(r["name"], r["m"], r["impl"]): r["gops"] for r in rows}
+    keys = sorted({(r["name"], r["n"], r["k"], r["m"]) for r in rows}, key=lambda x: (SHAPES_ORDER.get(x[0], 99), x[3]))  # fmt: skip
+    head = f"{'shape':<8} {'n':>6} {'k':>5} {'m':>4} | {'W8':>7} {'W4':>7} {'W4xA8':>7} | {'W4xA8/W4':>8}"
+    lines = [head, "-" * len(head)]
+    for name, n, k, m in keys:
+        w8, w4, a8 = (by[(name, m, i)] for i in W4_IMPLS)
+        lines.append(
+            f"{name:<8} {n:>6} {k:>5} {m:>4} | {w8:7.1f} {w4:7.1f} {a8:7.1f} | {a8 / w4:7.2f}x"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -151,13 +172,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--m", type=int, nargs="*", default=MS, help="batch sizes (rows)")
     ap.add_argument("--json", type=str, default=None, help="write [{m, n, k, impl, gops}] here")
+    ap.add_argument(
+        "--w4", action="store_true", help="W8 against W4 on int16 and on 8-bit activations"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         kernels.set_num_threads(args.threads)
         torch.set_num_threads(args.threads)
     print(describe(machine_info()))
-    rows = gemm_rows(ms=args.m, ms_per_point=args.ms)
-    print(format_table(rows))
+    if args.w4:
+        shapes = [s for s in SHAPES if s[0] != "lm_head"]  # the LM head stays W8
+        rows = gemm_rows(ms=args.m, shapes=shapes, impls=W4_IMPLS, ms_per_point=args.ms)
+        print(format_w4_table(rows))
+    else:
+        rows = gemm_rows(ms=args.m, ms_per_point=args.ms)
+        print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
