@@ -68,6 +68,15 @@ static inline float shmk_rint_small(float x) {
     return (x + magic) - magic;
 }
 
+/* A GEMM's output element: y[i][j] = v (+ bias[j]) (+ y[i][j] when accumulating), v already
+ * scaled: the scalar epilogue the kernel files share (their vector stores do the same). */
+static inline void shmk_store_one(float *y, int64_t n, const float *bias, int accumulate,
+                                  int64_t i, int64_t j, float v) {
+    if (bias) v = v + bias[j];
+    float *o = y + i * n + j;
+    *o = accumulate ? *o + v : v;
+}
+
 /* Current dispatch path (set once from the CPU / SHMK_PATH env, or by shmk_set_path). */
 int shmk_path(void);
 

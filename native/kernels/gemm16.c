@@ -334,10 +334,7 @@ static inline float add_mins(const gemm_ctx *c, int64_t i, int64_t j, float acc)
 
 /* scalar epilogue shared by the paths for one output element */
 static inline void store_one(const gemm_ctx *c, int64_t i, int64_t j, float acc) {
-    float v = acc * (c->sx[i] * c->mult);
-    if (c->bias) v = v + c->bias[j];
-    float *o = c->y + i * c->n + j;
-    *o = c->accumulate ? *o + v : v;
+    shmk_store_one(c->y, c->n, c->bias, c->accumulate, i, j, acc * (c->sx[i] * c->mult));
 }
 
 /* weight (channel ch, k kk) of a block-group: W8 quad rows, or W4 nibble rows (w4.c) */

@@ -144,10 +144,7 @@ typedef struct {
 } a8_ctx;
 
 static inline void store_one(const a8_ctx *c, int64_t i, int64_t j, float acc) {
-    float v = acc * c->mult;
-    if (c->bias) v = v + c->bias[j];
-    float *o = c->y + i * c->n + j;
-    *o = c->accumulate ? *o + v : v;
+    shmk_store_one(c->y, c->n, c->bias, c->accumulate, i, j, acc * c->mult);
 }
 
 static void tile_portable(const a8_ctx *c, int64_t blk, int64_t i0, int64_t i1) {

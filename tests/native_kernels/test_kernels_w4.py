@@ -108,11 +108,12 @@ def test_w4_group_dots_are_exact_on_u(path, m):
     assert torch.equal(K.group_dots(xq, p).long(), ref_group_dots(xq, u.long()))
 
 
-@pytest.mark.parametrize("m", [1, 2, 8, 64, 300])
-def test_w4_threads_identical(m):
+@pytest.mark.parametrize("act8", [False, True])  # int16 activations, or gemm_w4a8.c
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 64, 300])
+def test_w4_threads_identical(m, act8):
     g = torch.Generator().manual_seed(m)
     w, x = torch.randn(1000, 300, generator=g), torch.randn(m, 300, generator=g)
-    p = K.PackedLinear.from_float(w, w4=True)
+    p = K.PackedLinear.from_float(w, w4=True, act8=act8)
     K.set_num_threads(1)
     y1 = K.linear(x, p)
     for threads in (2, 3):

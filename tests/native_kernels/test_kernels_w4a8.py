@@ -1,6 +1,6 @@
 """W4 x A8 (gemm_w4a8.c): the activations' 8-bit quantisation per 16 k against a torch
 transcription of its contract, and the GEMM against float64 math on those activations, bit
-for bit across paths, row counts and threads."""
+for bit across paths and row counts (threads: test_kernels_w4.py)."""
 
 import pytest
 import torch
@@ -81,18 +81,6 @@ def test_w4a8_linear_matches_float64_contract_and_portable(path, m, n, k):
     # and near the float product of the weights it holds: 8-bit activations' error
     exact = x @ p.dequantized().T + b
     assert ((y - exact).abs().max() / (x @ w.T).abs().max()).item() < 0.02
-
-
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 64, 300])
-def test_w4a8_threads_identical(m):
-    g = torch.Generator().manual_seed(m)
-    w, x = torch.randn(1000, 300, generator=g), torch.randn(m, 300, generator=g)
-    p = K.PackedLinear.from_float(w, w4=True, act8=True)
-    K.set_num_threads(1)
-    y1 = K.linear(x, p)
-    for threads in (2, 3):
-        K.set_num_threads(threads)
-        assert torch.equal(K.linear(x, p), y1)
 
 
 def test_w4a8_rows_do_not_depend_on_their_batch():
