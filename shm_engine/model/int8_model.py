@@ -93,9 +93,9 @@ class Int8Llama:
         activations calibrate SmoothQuant factors folded into each layer's weights at load
         (model/smoothing.py; ~2x the layers' packing time); None packs the weights as they
         are. ``activation_dtype``: "int8" runs the layers on 8-bit activations where a kernel
-        has them: on kernel path "vnni" every layer weight (rotated, gemm_a8.c), elsewhere the
-        o, gate_up and down matrices packed in 4 bits (gemm_w4a8.c; W4_ACT8_LINEARS); the
-        others keep int16. ``weight_dtype``: the
+        has them: the o, gate_up and down matrices packed in 4 bits, on every path
+        (gemm_w4a8.c; W4_ACT8_LINEARS), and on kernel path "vnni" every int8 layer weight
+        (rotated, gemm_a8.c); the others keep int16. ``weight_dtype``: the
         layers' weights in "int8" or "int4" (matrices a GGUF file holds as Q4_0 / Q4_1 / Q4_K
         packed from their grids, exact but for Q4_K's scales rounded to fp16; others fitted
         by ``PackedLinear.from_float(w4=True)``), or "auto": int4 for the matrices the file
@@ -130,7 +130,7 @@ class Int8Llama:
         self.activation_dtype = activation_dtype
         # W8 weights on 8-bit activations (rotated): path vnni; W4 ones: every path
         self._act8 = activation_dtype == "int8" and kernels.get_path() == "vnni"
-        self._w4_act8 = activation_dtype == "int8" and not self._act8
+        self._w4_act8 = activation_dtype == "int8"
         check_kv_dtype(self.kv_dtype, config.head_dim)
         if num_threads:
             kernels.set_num_threads(num_threads)
@@ -140,7 +140,7 @@ class Int8Llama:
         # stream of all of them each step.
         # the 4-bit linears of each layer, decided before packing (the arena's size)
         self.w4_linears = [self._w4_linears(weights, i) for i in range(c.num_layers)]
-        if self._w4_act8 and not any(self.w4_linears):
+        if self._w4_act8 and not self._act8 and not any(self.w4_linears):
             logger.warning(
                 "activation_dtype='int8': kernel path %r runs 8-bit activations on AVX512-VNNI "
                 "(without AMX) or on 4-bit layer weights, and none are packed so: the layers "

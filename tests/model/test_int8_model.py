@@ -394,6 +394,9 @@ def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
     for path in ("vnni", "amx"):
         monkeypatch.setattr(kernels, "get_path", lambda p=path: p)
         assert not any(Int8Llama(config, src, weight_dtype="auto").w4_linears)
+        # forced 4-bit layers take 8-bit activations there too (gemm_w4a8.c runs on any path)
+        a8 = Int8Llama(config, src, weight_dtype="int4", activation_dtype="int8")
+        assert a8.layers[0].down.w4 and a8.layers[0].down.act8 and not a8.layers[0].qkv.act8
     with pytest.raises(ValueError, match="weight_dtype"):
         Int8Llama(config, weights, weight_dtype="int2")
     with pytest.raises(ValueError, match="cannot be smoothed"):
