@@ -510,7 +510,7 @@ class PackedLinear:
 
     def dequantized(self) -> torch.Tensor:
         """fp32 [n, k] = q * group scale (+ group minimum for W4): what the GEMM effectively
-        multiplies by (for an ``act8`` weight, by the rotated activations: W H / 32)."""
+        multiplies by (for a W8 ``act8`` weight, by the rotated activations: W H / 32)."""
         grow = lambda t: t.repeat_interleave(32, dim=1)[:, : self.k]  # noqa: E731
         if self.w4:
             u, s, m = self.unpack_w4()
