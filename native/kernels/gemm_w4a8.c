@@ -258,7 +258,7 @@ INLINE AVX2_FN void avx2_kernel(const w4a8_ctx *c, int64_t blk, int e0, int64_t 
                         "vpsrlw $4, %[ul], %[uh]\n\t"
                         "vpand %[low], %[ul], %[ul]\n\t"
                         "vpand %[low], %[uh], %[uh]"
-                        : [ul] "=&x"(ul), [uh] "=x"(uh)
+                        : [ul] "=&x"(ul), [uh] "=&x"(uh) /* written before low's last read */
                         : [w] "m"(*(const char(*)[32])(w + p * 64 + 32 * e)), [low] "x"(low));
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++)

@@ -140,7 +140,11 @@ class Int8Llama:
         # stream of all of them each step.
         # the 4-bit linears of each layer, decided before packing (the arena's size)
         self.w4_linears = [self._w4_linears(weights, i) for i in range(c.num_layers)]
-        if self._w4_act8 and not self._act8 and not any(self.w4_linears):
+        if (
+            self._w4_act8
+            and not self._act8
+            and not any(s & W4_ACT8_LINEARS for s in self.w4_linears)
+        ):
             logger.warning(
                 "activation_dtype='int8': kernel path %r runs 8-bit activations on AVX512-VNNI "
                 "(without AMX) or on 4-bit layer weights, and none are packed so: the layers "
