@@ -328,9 +328,8 @@ static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int
                             int64_t, float[][8]);
     static const rows_fn rows[4] = {avx2_rows1, avx2_rows2, avx2_rows3, avx2_rows4};
     __m256i *bx = shmk_scratch(5, W4A8_BX_BYTES);
-    const int64_t run = W4A8_RUN_BYTES / (c->G * NIBBLE_GBYTES) > 1
-                            ? W4A8_RUN_BYTES / (c->G * NIBBLE_GBYTES)
-                            : 1;
+    int64_t run = W4A8_RUN_BYTES / (c->G * NIBBLE_GBYTES);
+    if (run < 1) run = 1;
     float(*f)[8][8] = shmk_scratch(6, (size_t)run * sizeof *f);
     for (int64_t r0 = b0; r0 < b1; r0 += run) {
         const int64_t r1 = r0 + run < b1 ? r0 + run : b1;
