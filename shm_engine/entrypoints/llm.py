@@ -13,7 +13,8 @@ import itertools
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +31,11 @@ from shm_engine.entrypoints.async_engine import (
 from shm_engine.entrypoints.hf_tokenizer import HFStyleTokenizer
 from shm_engine.model.tokenizer import template_kwargs
 from shm_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shm_engine.engine.dp_client import DPClient
+
+    EngineClient = InprocClient | SyncMPClient | DPClient
 
 PromptType = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": ...}
 Conversation = Sequence[Mapping[str, Any]]
@@ -49,22 +55,31 @@ class LLM:
     ):
         """``engine_args`` are EngineConfig's; ``speculative_config`` is vLLM's spelling of its
         speculative fields (``{"method": "ngram", "num_speculative_tokens": K, ...}``)."""
-        from shm_engine.model.loader import load_model_info
+        from shm_engine.model.loader import load_model_info, resolve_model_path
 
         engine_args.update(speculative_args(speculative_config))
         self.config = EngineConfig(model=model, **engine_args)
-        # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
-        info = load_model_info(model)
+        resolve_model_path(model)  # a missing model fails here, before an engine is spawned
+        # NOTE: only the config and tokenizer are read in this process (no torch, no weights),
+        # in a thread while the engine starts: parsing the GGUF's vocabulary (~0.7 s) overlaps
+        # the engine's imports on the other core instead of delaying its spawn.
+        with ThreadPoolExecutor(1, thread_name_prefix="model-info") as pool:
+            pending_info = pool.submit(load_model_info, model)
+            try:
+                self.client = self._start_client(in_process, data_parallel_size)
+            except Exception as e:
+                # a model this process cannot read either: its error says why, the engine's
+                # only that it failed to start
+                if pending_info.exception() is not None:
+                    raise pending_info.exception() from e
+                raise
+            try:
+                info = pending_info.result()
+            except BaseException:
+                self.client.shutdown()
+                raise
         self.tokenizer = info.tokenizer
         self._sampling_defaults = info.sampling_defaults
-        if in_process:
-            self.client = InprocClient(self.config)
-        elif data_parallel_size > 1:
-            from shm_engine.engine.dp_client import DPClient
-
-            self.client = DPClient(self.config, data_parallel_size)
-        else:
-            self.client = SyncMPClient(self.config)
         # NOTE: an LLM dropped without shutdown() stops its engine when it is collected (or at
         # exit); the client cannot do this itself, since its receiver thread keeps it reachable.
         self._stop_engine = weakref.finalize(self, self.client.shutdown)
@@ -74,6 +89,15 @@ class LLM:
         # while generate() (or another stream) runs finds its outputs, its last one included,
         # here (each is cumulative, so the newest is all a consumer needs).
         self._latest: dict[str, RequestOutput] = {}
+
+    def _start_client(self, in_process: bool, data_parallel_size: int) -> EngineClient:
+        if in_process:
+            return InprocClient(self.config)
+        if data_parallel_size > 1:
+            from shm_engine.engine.dp_client import DPClient
+
+            return DPClient(self.config, data_parallel_size)
+        return SyncMPClient(self.config)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate``, ``chat`` and ``stream`` use without SamplingParams: vLLM's

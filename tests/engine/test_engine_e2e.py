@@ -765,6 +765,22 @@ def test_an_engine_that_cannot_start_says_why():
     assert shm_entries() <= before
 
 
+def test_llm_on_an_unreadable_model_raises_the_read_error(tmp_path):
+    """LLM reads the model's tokenizer while its engine starts; a file neither can read raises
+    the reader's own error (not only "engine failed to start"), and leaves no engine behind."""
+    from shm_engine import LLM
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file" * 100)
+    before = shm_entries()
+    with pytest.raises(ValueError, match="GGUF") as raised:
+        LLM(str(bad), dtype=DTYPE, num_kv_blocks=32)
+    assert isinstance(raised.value.__cause__, EngineDeadError)
+    assert shm_entries() <= before
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # before any engine starts
+        LLM(str(tmp_path / "missing.gguf"), dtype=DTYPE, num_kv_blocks=32)
+
+
 def test_engine_exits_when_its_client_is_killed():
     """A frontend killed with SIGKILL leaves no orphan engine and nothing in /dev/shm."""
     import subprocess
