@@ -8,8 +8,8 @@
  *   rows6b 6 rows, the same with 6 vpbroadcastd
  *   rows6m 6 rows on activation broadcasts prepared in memory (vpmaddwd's memory operand)
  *
- * Measured 2026-12-07 on the AVX2-only Zen 3 guest (best of 15, GMAC/s): peak 81, rows3 72,
- * rows6b 71-80, rows6m 80-81.  A kernel on rows6m (slabs of 6 rows, broadcast buffer per chunk
+ * Measured 2026-12-07 on the AVX2-only Zen 3 guest (best of 15, GMAC/s): peak 81-83, rows3 72,
+ * rows6b 71, rows6m 80-81.  A kernel on rows6m (slabs of 6 rows, broadcast buffer per chunk
  * of groups, fp32 sums in memory) ran 13-35 % slower than the 3-row tiles: see docs/kernels.md. */
 #include <immintrin.h>
 #include <stdint.h>
