@@ -198,9 +198,13 @@ def cmd_generate(args) -> int:
     return 1 if failed else 0
 
 
+CHAT_HELP = "/reset starts a new conversation, /exit or /quit leaves (as Ctrl-D does)"
+
+
 def cmd_chat(args) -> int:
     params = _params(args)
-    messages: list[dict[str, str]] = []
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages: list[dict[str, str]] = list(system)
     with _build_llm(args) as llm:
         while True:
             try:
@@ -211,7 +215,17 @@ def cmd_chat(args) -> int:
             except KeyboardInterrupt:  # at the prompt: leave, without a traceback
                 print()
                 return 130
-            if not line.strip():
+            command = line.strip()
+            if not command:
+                continue
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/reset":
+                messages[:] = system
+                print("[new conversation]", file=sys.stderr)
+                continue
+            if command == "/help":
+                print(f"[{CHAT_HELP}]", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
             reply = _chat_turn(llm, messages, params)
@@ -251,9 +265,11 @@ def _read_line(prompt: str) -> str:
 def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
     """Stream one reply; Ctrl-C stops it (what was said is kept). None if the turn cannot run.
 
-    A conversation grown past the context starts over from its last message, if that fits on
-    its own (if not, the message is refused and the conversation kept).
+    A conversation grown past the context starts over from its last message (after the system
+    prompt, which stays), if that fits on its own (if not, the message is refused and the
+    conversation kept).
     """
+    keep = 1 if messages[0]["role"] == "system" else 0  # the system prompt
     text, ids = _chat_prompt(llm, messages)
     stream = llm.stream({"prompt": text, "prompt_token_ids": ids}, params)
     reply = ""
@@ -262,10 +278,10 @@ def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
             reply += delta
             print(delta, end="", flush=True)
     except ValueError as e:
-        if reply or len(messages) == 1:
+        if reply or len(messages) == keep + 1:
             print(f"error: {e}", file=sys.stderr)
             return None
-        alone = len(_chat_prompt(llm, messages[-1:])[1])
+        alone = len(_chat_prompt(llm, messages[:keep] + messages[-1:])[1])
         if alone >= llm.max_model_len:
             print(
                 f"error: this message takes {alone} tokens on its own, and the model's maximum "
@@ -274,7 +290,7 @@ def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
             )
             return None
         print("[the conversation no longer fits the context: starting over]", file=sys.stderr)
-        del messages[:-1]
+        del messages[keep:-1]
         return _chat_turn(llm, messages, params)
     except KeyboardInterrupt:
         stream.close()  # aborts the request in the engine
@@ -387,7 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    c = sub.add_parser(
+        "chat", help=f"interactive chat with the model's chat template ({CHAT_HELP})"
+    )
+    c.add_argument("--system-prompt", default=None, help="the conversation's system message")
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)

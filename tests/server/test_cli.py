@@ -129,6 +129,28 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_even_alone(
 
 
 @pytest.mark.slow
+def test_chat_commands_and_system_prompt(monkeypatch, capsys) -> None:
+    # /help and /reset answer on stderr and reach no model; /reset keeps the system prompt and
+    # forgets the rest; /quit leaves with 0 before the lines after it are read.
+    seen: list[list[tuple[str, str]]] = []
+    turn = cli._chat_turn
+
+    def recording_turn(llm, messages, params):
+        seen.append([(m["role"], m["content"]) for m in messages])
+        return turn(llm, messages, params)
+
+    monkeypatch.setattr(cli, "_chat_turn", recording_turn)
+    _inputs(monkeypatch, ["/help", "My name is Zorblax.", " /reset ", "Hi.", "/quit", "Never."])
+    argv = ["chat", "--kv-cache-mib", "8", "--max-tokens", "3", "--system-prompt", "Be brief."]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "/reset starts a new conversation" in err and "[new conversation]" in err
+    assert "Traceback" not in err
+    system = ("system", "Be brief.")
+    assert seen == [[system, ("user", "My name is Zorblax.")], [system, ("user", "Hi.")]]
+
+
+@pytest.mark.slow
 def test_serve_reports_an_engine_that_cannot_start_in_one_line() -> None:
     """A configuration only the engine can check (the KV cache cannot hold max_model_len) ends
     serve with its one line and exit 2, not uvicorn's lifespan tracebacks and exit 3."""
