@@ -1,8 +1,9 @@
-/* W4 x A8 GEMM: 4-bit weights on 8-bit activations, for AVX2's vpmaddubsw.
+/* W4 x A8 GEMM: 4-bit weights on 8-bit activations, for AVX2's vpmaddubsw (and AVX512-VNNI's
+ * vpdpbusd).
  *
  * A W4 weight (shmk_linear_t.mins) with `act8` set takes this kernel for every call, on every
- * path (shmk_linear_impl; the AVX2 code from path avx2 up, else the portable twin, with the
- * same bits).  The weights are packed as for the int16 kernels (w4.c), unrotated and on the
+ * path (shmk_linear_impl; the VNNI code on paths vnni and amx, the AVX2 code on avx2, else the
+ * portable twin, all with the same bits).  The weights are packed as for the int16 kernels (w4.c), unrotated and on the
  * file's own grids: only the activations change.
  *
  * Why it is faster on AVX2: `vpmaddubsw` multiplies 32 u8 x s8 pairs an instruction and adds
@@ -348,12 +349,90 @@ static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int
     }
 }
 
+/* --- AVX512-VNNI: vpdpbusd multiplies u8 x s8 in fours and adds them into int32 lanes, which is
+ * the nibble rows' layout as they lie: lane c of a 64-byte nibble row p holds channel c's four u
+ * of k 4p .. 4p + 3 (low nibbles) and 16 + 4p .. (high), so a masked copy of each half meets an
+ * embedded broadcast of the row's four activations.  No widening and no int16 sums (the AVX2
+ * kernel's pair adds and their vpmaddwd by ones): per group, row and 16 channels two int32 sums
+ * and the same epilogue.  Rows in slabs of up to W4A8_VNNI_MR (2 sums each: 16 of the 32 zmm,
+ * plus the fp32 sums and the weights); a block's nibbles stay in L1 across a task's slabs.
+ * NOTE: tested bit for bit against the portable twin under SIMDe's emulation of the intrinsics
+ * (test_kernels_w4a8_emulated.py); not yet timed on a VNNI CPU. --- */
+#define W4A8_VNNI_MR 8
+
+INLINE SHMK_VNNI_FN void vnni_kernel(const w4a8_ctx *c, int64_t blk, int64_t i0, const int mr,
+                                     const int pf) {
+    const int64_t G = c->G, kp = c->kp;
+    const uint8_t *wb = c->packed + blk * G * NIBBLE_GBYTES;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 f[W4A8_VNNI_MR];
+    for (int r = 0; r < mr; r++) f[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *w = wb + g * NIBBLE_GBYTES;
+        __m512i lo[W4A8_VNNI_MR], hi[W4A8_VNNI_MR];
+        for (int r = 0; r < mr; r++) lo[r] = hi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            if (pf) _mm_prefetch((const char *)w + p * 64 + SHMK_PF_DIST, _MM_HINT_T0);
+            const __m512i u = _mm512_loadu_si512((const void *)(w + p * 64));
+            const __m512i ul = _mm512_and_si512(u, low);
+            const __m512i uh = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *x = c->xq + (i0 + r) * kp + g * GK + 4 * p;
+                int32_t a, b; /* activations k 4p .. 4p + 3 and 16 + 4p .. of the group */
+                memcpy(&a, x, 4);
+                memcpy(&b, x + HALF, 4);
+                lo[r] = _mm512_dpbusd_epi32(lo[r], ul, _mm512_set1_epi32(a));
+                hi[r] = _mm512_dpbusd_epi32(hi[r], uh, _mm512_set1_epi32(b));
+            }
+        }
+        const int64_t sg = (blk * G + g) * NB;
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c->scales + sg)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c->mins + sg)));
+        for (int r = 0; r < mr; r++) {
+            const float *sx = c->sx + (i0 + r) * 2 * G + 2 * g;
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_set1_ps(sx[0]));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_set1_ps(sx[1]), t);
+            f[r] = _mm512_fmadd_ps(t, s, f[r]);
+            f[r] = _mm512_fmadd_ps(_mm512_set1_ps(c->xs[(i0 + r) * G + g]), mn, f[r]);
+        }
+    }
+    const __m512 mult = _mm512_set1_ps(c->mult);
+    for (int r = 0; r < mr; r++)
+        shmk_vnni_store(c->y + (i0 + r) * c->n, c->bias, c->n, blk, _mm512_mul_ps(f[r], mult),
+                        c->accumulate);
+}
+
+/* blocks b0 .. b1 - 1, rows i0 .. i1 - 1; the first slab of a block streams its nibbles from
+ * memory (prefetched), the others find them in L1 */
+SHMK_VNNI_FN static void task_vnni(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0,
+                                   int64_t i1) {
+    for (int64_t b = b0; b < b1; b++)
+        for (int64_t i = i0; i < i1; i += W4A8_VNNI_MR) {
+            const int pf = i == i0;
+            switch (i1 - i < W4A8_VNNI_MR ? i1 - i : W4A8_VNNI_MR) {
+            case 1: vnni_kernel(c, b, i, 1, pf); break;
+            case 2: vnni_kernel(c, b, i, 2, pf); break;
+            case 3: vnni_kernel(c, b, i, 3, pf); break;
+            case 4: vnni_kernel(c, b, i, 4, pf); break;
+            case 5: vnni_kernel(c, b, i, 5, pf); break;
+            case 6: vnni_kernel(c, b, i, 6, pf); break;
+            case 7: vnni_kernel(c, b, i, 7, pf); break;
+            default: vnni_kernel(c, b, i, 8, pf); break;
+            }
+        }
+}
+
 static void gemm_task(void *vctx, int64_t task, int tid) {
     (void)tid;
     const w4a8_ctx *c = vctx;
     int64_t u0, u1, i0, i1;
     shmk_split_task(&c->plan, task, &u0, &u1, &i0, &i1);
     const int64_t b1 = 2 * u1 < c->nb ? 2 * u1 : c->nb;
+    if (c->path >= SHMK_VNNI) {
+        task_vnni(c, 2 * u0, b1, i0, i1);
+        return;
+    }
     if (c->path >= SHMK_AVX2) {
         task_avx2(c, 2 * u0, b1, i0, i1);
         return;
@@ -377,7 +456,8 @@ void shmk_linear_w4a8_impl(const shmk_linear_t *w, const float *x, int64_t m, fl
     if (m <= 0 || w->n <= 0) return;
     w4a8_ctx c;
     memset(&c, 0, sizeof c);
-    c.path = shmk_path() >= SHMK_AVX2 ? SHMK_AVX2 : SHMK_PORTABLE;
+    c.path = shmk_path() >= SHMK_VNNI ? SHMK_VNNI : shmk_path() >= SHMK_AVX2 ? SHMK_AVX2
+                                                                         : SHMK_PORTABLE;
     c.m = m, c.k = w->k, c.kp = shmk_padded_k(w->k), c.G = c.kp / GK;
     c.n = w->n, c.nb = shmk_cdiv(w->n, NB);
     c.packed = (const uint8_t *)w->packed, c.scales = w->scales, c.mins = w->mins;

@@ -1,6 +1,6 @@
-"""gemm_a8.c's VNNI kernel on a CPU without AVX-512: compiled against SIMDe's emulation of the
-intrinsics (emulated/), it must give its portable twin's bits (quantiser and GEMM, ragged
-shapes, edge rows, 1 and 2 threads' splits, bias, accumulation; 768 cases). Runs where the SIMDe headers
+"""gemm_a8.c's and gemm_w4a8.c's VNNI kernels on a CPU without AVX-512: compiled against SIMDe's
+emulation of the intrinsics (emulated/), each must give its portable twin's bits (quantiser and
+GEMM, ragged shapes, edge rows, 1 and 2 threads' splits, bias, accumulation; 768 cases each). Runs where the SIMDe headers
 are installed (Debian: libsimde-dev); on VNNI CPUs test_kernels_gemm_a8.py checks the real
 instructions."""
 
@@ -20,21 +20,48 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_a8_vnni_kernel_matches_portable_under_emulation(tmp_path):
-    for name in ("gemm_a8.c", "vnni_tile.h", "common.h", "api.h"):
+def _build_and_run(tmp_path, sources: tuple[str, ...], driver: str, edit=lambda text: text) -> str:
+    """Compile ``driver`` (emulated/) with the kernel ``sources`` spliced in (``edit``ed) and
+    run it."""
+    for name in sources + ("vnni_tile.h", "common.h", "api.h"):
         text = (KERNELS / name).read_text()
         # NOTE: no target attributes: gcc would emit real AVX-512 for the emulation's code
-        (tmp_path / name).write_text(re.sub(r'__attribute__\(\(target\("[^"]*"\)\)\)', "", text))
+        text = re.sub(r'__attribute__\(\(target\("[^"]*"\)\)\)', "", text)
+        (tmp_path / name).write_text(edit(text) if name in sources else text)
     pool = (KERNELS / "pool.c").read_text()
     start = pool.index("shmk_split_plan shmk_split_units(")
     (tmp_path / "split.inc").write_text(pool[start : pool.index("/* ---- thread-local scratch")])
-    exe = tmp_path / "a8_emulated"
+    exe = tmp_path / "emulated"
     built = subprocess.run(
         ["gcc", "-O1", "-std=gnu11", f"-I{HERE}", f"-I{tmp_path}", "-o", str(exe),
-         str(HERE / "a8_vnni_vs_portable.c"), "-lm"],
+         str(HERE / driver), "-lm"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-3000:]
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:]
-    assert out.stdout.strip().endswith("768 runs, 0 differ")
+    return out.stdout.strip()
+
+
+def test_a8_vnni_kernel_matches_portable_under_emulation(tmp_path):
+    out = _build_and_run(tmp_path, ("gemm_a8.c",), "a8_vnni_vs_portable.c")
+    assert out.endswith("768 runs, 0 differ")
+
+
+def test_w4a8_vnni_kernel_matches_portable_under_emulation(tmp_path):
+    """gemm_w4a8.c's VNNI kernel (vpdpbusd on the nibbles) gives the portable twin's bits: ragged shapes, 1-70 rows (slabs of 8 and their tails), edge rows, 1 and 2
+    threads' splits, bias, accumulation."""
+
+    def portable_avx2_tiles(text: str) -> str:
+        # NOTE: the AVX2 GEMM's asm takes no emulated (struct) vector types; it runs on the CPU
+        # in test_kernels_w4a8.py.  Here its tasks run the portable tiles.
+        start = text.index("/* --- AVX2: slabs of up to 4 rows")
+        end = text.index("/* --- AVX512-VNNI:")
+        stub = (
+            "static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0,"
+            " int64_t i1) {\n    for (int64_t b = b0; b < b1; b++) tile_portable(c, b, i0, i1);\n}\n"
+        )
+        return text[:start] + stub + text[end:]
+
+    out = _build_and_run(tmp_path, ("gemm_w4a8.c",), "w4a8_vnni_vs_portable.c", portable_avx2_tiles)
+    assert out.endswith("768 runs, 0 differ")

@@ -1,0 +1,108 @@
+/* gemm_w4a8.c's VNNI kernel (and its AVX2 quantiser, which every path from avx2 up runs)
+ * against the portable twin, bit for bit, where the CPU has no AVX-512: built against SIMDe's
+ * emulation of the intrinsics (immintrin.h here) by test_kernels_a8_emulated.py, which splices
+ * in gemm_w4a8.c (target attributes removed; the AVX2 GEMM, whose asm takes no emulated
+ * types, replaced by the portable tiles: test_kernels_w4a8.py checks it on the CPU) and
+ * pool.c's work split.  Tasks run in reverse order on one thread: any order must give the
+ * same bits. */
+#include <stdio.h>
+#include <stdlib.h>
+#include "gemm_w4a8.c"
+#include "split.inc"
+int64_t shmk_padded_k(int64_t k) { return shmk_cdiv(k, GK) * GK; }
+
+/* ---- what gemm_w4a8.c takes from the rest of the library (gemm16.c, pool.c) ---- */
+static int g_path = SHMK_VNNI, g_threads = 1;
+int shmk_path(void) { return g_path; }
+int shmk_threads(void) { return g_threads; }
+
+void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t n) {
+    for (int64_t t = n - 1; t >= 0; t--) fn(ctx, t, (int)(t % 2)); /* reverse order */
+}
+
+void *shmk_scratch(int slot, size_t bytes) {
+    static void *p[10];
+    static size_t sz[10];
+    if (sz[slot] < bytes) {
+        free(p[slot]);
+        p[slot] = aligned_alloc(64, (bytes + 4159) & ~(size_t)63);
+        sz[slot] = bytes;
+    }
+    return p[slot];
+}
+
+/* ---- cases ---- */
+static uint32_t rs = 12345;
+static uint32_t rnd(void) { return (rs = rs * 1664525u + 1013904223u) >> 8; }
+static float frand(void) { return (float)(rnd() & 0xffff) / 32768.f - 1.f; }
+
+/* rows 1.. are edge rows: zeros, below the smallest usable max, NaNs, an inf, a half of
+ * constants, values whose sums overflow fp32; the rest have a few large k */
+static void fill_rows(float *x, int64_t m, int64_t k) {
+    for (int64_t i = 0; i < m * k; i++) x[i] = frand() * ((rnd() % 40) ? 1.f : 30.f);
+    for (int64_t t = 0; t < k; t++) {
+        if (m > 1) x[1 * k + t] = 0.f;
+        if (m > 2) x[2 * k + t] = 1e-35f;
+        if (m > 3 && t % 3 == 0) x[3 * k + t] = NAN;
+        if (m > 5 && t < 16) x[5 * k + t] = 2.5f;
+        if (m > 7 && t % 5 == 0) x[7 * k + t] = 3e37f;
+    }
+    if (m > 4) x[4 * k] = INFINITY;
+}
+
+static int run_differs(const float *y0, const float *y1, int64_t m, int64_t n, int64_t k,
+                       int threads, int bias, int accum) {
+    for (int64_t i = 0; i < m * n; i++)
+        if (memcmp(&y0[i], &y1[i], sizeof(float))) {
+            printf("differ: n=%ld k=%ld m=%ld threads=%d bias=%d accum=%d row %ld col %ld: "
+                   "%g %g\n", (long)n, (long)k, (long)m, threads, bias, accum,
+                   (long)(i / n), (long)(i % n), y0[i], y1[i]);
+            return 1;
+        }
+    return 0;
+}
+
+/* 1 if the VNNI kernel and the portable one differ in any bit */
+static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int accum) {
+    const int64_t kp = shmk_padded_k(k), nb = shmk_cdiv(n, NB), G = kp / GK;
+    uint8_t *packed = malloc(nb * G * NIBBLE_GBYTES);
+    uint16_t *scales = malloc(nb * G * NB * sizeof(uint16_t));
+    uint16_t *mins = malloc(nb * G * NB * sizeof(uint16_t));
+    float *b = malloc(n * sizeof(float)), *x = malloc(m * k * sizeof(float));
+    float *y[2];
+    for (int p = 0; p < 2; p++) y[p] = malloc(m * n * sizeof(float));
+    for (int64_t i = 0; i < nb * G * NIBBLE_GBYTES; i++) packed[i] = (uint8_t)rnd();
+    for (int64_t i = 0; i < nb * G * NB; i++) {
+        scales[i] = (uint16_t)(0x2c00 + rnd() % 0x1000);
+        mins[i] = (uint16_t)((rnd() & 0x8000) | (0x2c00 + rnd() % 0x1000)); /* either sign */
+    }
+    for (int64_t i = 0; i < n; i++) b[i] = frand();
+    fill_rows(x, m, k);
+    for (int64_t i = 0; i < m * n; i++) y[0][i] = y[1][i] = frand();
+    shmk_linear_t w = {.n = n, .k = k, .packed = (const int8_t *)packed, .scales = scales,
+                       .scale_mult = 0.5f, .bias = bias ? b : NULL, .act8 = 1, .mins = mins};
+    g_threads = threads;
+    const int paths[2] = {SHMK_PORTABLE, SHMK_VNNI};
+    for (int p = 0; p < 2; p++) {
+        g_path = paths[p];
+        shmk_linear_w4a8_impl(&w, x, m, y[p], accum);
+    }
+    const int bad = run_differs(y[0], y[1], m, n, k, threads, bias, accum);
+    free(packed), free(scales), free(mins), free(b), free(x);
+    for (int p = 0; p < 2; p++) free(y[p]);
+    return bad;
+}
+
+int main(void) {
+    const int64_t shapes[][2] = {{16, 32}, {17, 7},    {33, 131}, {960, 576},
+                                 {50, 1536}, {40, 70}, {20, 1},   {24, 4096}};
+    const int64_t ms[] = {1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 70};
+    int runs = 0, bad = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++)
+            for (int threads = 1; threads <= 2; threads++)
+                for (int flags = 0; flags < 4; flags++, runs++)
+                    bad += differs(shapes[s][0], shapes[s][1], ms[i], threads, flags & 1, flags >> 1);
+    printf("%d runs, %d differ\n", runs, bad);
+    return bad != 0;
+}
