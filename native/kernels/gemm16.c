@@ -27,10 +27,11 @@
  *   Scales: fp16 [nb][G][16], one vcvtph2ps per block and group.
  *
  * W4 weights (mins != NULL; w4.c packs them, api.h gives the layout and the contract) run here
- * too, on the portable and AVX2 code whatever the path: up to 4 rows read the nibbles in the
- * quad-row lane layout (avx2_w4_kernel, avx2_w4_rows3_kernel), from 5 each block is unpacked
- * into the pair rows of the 3-row tiles (avx2_w4_pair_block), and the minimums' sum is added
- * before the store (avx2_mins, add_mins).  W4 weights with act8 take gemm_w4a8.c instead. */
+ * too (never on AMX tiles): on AVX2 up to 4 rows read the nibbles in the quad-row lane layout
+ * (avx2_w4_kernel, avx2_w4_rows3_kernel), from 5 each block is unpacked into the pair rows of
+ * the 3-row tiles (avx2_w4_pair_block); the VNNI tiles widen each nibble row into its two quad
+ * rows in the loop (vnni_quad_half); the minimums' sum is added before the store (avx2_mins,
+ * add_mins, the VNNI tiles' own loop).  W4 weights with act8 take gemm_w4a8.c instead. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -941,12 +942,23 @@ INLINE VNNI_FN void vnni_store(const gemm_ctx *c, int64_t blk, int64_t i, __m512
     shmk_vnni_store(c->y + i * c->n, c->bias, c->n, blk, v, c->accumulate);
 }
 
-/* pf_next: the first row tile of a unit (shmk_vnni_prefetch) */
+/* Half h (channels 8h .. 8h + 7) of quad row q of a block-group, widened to int16 as it lies:
+ * W8 as packed; W4 from nibble row q % 4, its low nibbles for q < 4 and high ones from 4 (w4.c:
+ * u in [0, 15], the minimums added after the groups) */
+INLINE VNNI_FN __m512i vnni_quad_half(const int8_t *w, const int q, const int h, const int w4) {
+    if (!w4)
+        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + q * 64 + 32 * h)));
+    __m256i u = _mm256_loadu_si256((const __m256i *)(w + (q % 4) * 64 + 32 * h));
+    if (q >= 4) u = _mm256_srli_epi16(u, 4);
+    return _mm512_cvtepu8_epi16(_mm256_and_si256(u, _mm256_set1_epi8(15)));
+}
+
+/* pf_next: the first row tile of a unit (shmk_vnni_prefetch); w4: W4 nibbles (c->mins) */
 INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
-                                const int nr, const int raw, const int pf_next) {
-    const int64_t G = c->G, kp = c->kp;
-    const int8_t *wb0 = c->packed + blk * G * GBYTES;
-    const int8_t *wb1 = wb0 + G * GBYTES;
+                                const int nr, const int raw, const int pf_next, const int w4) {
+    const int64_t G = c->G, kp = c->kp, gb = w4 ? GBYTES / 2 : GBYTES;
+    const int8_t *wb0 = c->packed + blk * G * gb;
+    const int8_t *wb1 = wb0 + G * gb;
     const int16_t *x = c->xq + i0 * kp;
     /* lane-pair sums: dword lane 2c + h of half e holds channel 8e + c's k pair h */
     const __m512i even =
@@ -955,7 +967,7 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
     __m512 f[VNNI_MR][2];
     for (int r = 0; r < mr; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const int8_t *w0 = wb0 + g * GBYTES, *w1 = wb1 + g * GBYTES;
+        const int8_t *w0 = wb0 + g * gb, *w1 = wb1 + g * gb;
         const int16_t *xr[VNNI_MR];
         for (int r = 0; r < mr; r++) xr[r] = x + r * kp + g * GK;
         /* d[row][block][half]: half e = channels 8e .. 8e + 7, both k pairs of a quad row */
@@ -964,18 +976,11 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
             for (int b = 0; b < nr; b++) d[r][b][0] = d[r][b][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int q = 0; q < GK / 4; q++) {
-            shmk_vnni_prefetch(wb0, G, g, q, mr, nr, pf_next);
+            if (!w4 || q < 4) shmk_vnni_prefetch(wb0, G, gb, g, q, mr, nr, pf_next);
             /* quad row q widened as it lies: 8 channels x (k pair 0, k pair 1) per half */
-            const __m512i v00 =
-                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + q * 64)));
-            const __m512i v01 =
-                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + q * 64 + 32)));
+            const __m512i v00 = vnni_quad_half(w0, q, 0, w4), v01 = vnni_quad_half(w0, q, 1, w4);
             __m512i v10 = v00, v11 = v01;
-            if (nr == 2) {
-                v10 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w1 + q * 64)));
-                v11 = _mm512_cvtepi8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(w1 + q * 64 + 32)));
-            }
+            if (nr == 2) v10 = vnni_quad_half(w1, q, 0, w4), v11 = vnni_quad_half(w1, q, 1, w4);
             for (int r = 0; r < mr; r++) {
                 int64_t pv; /* activations k 4q .. 4q + 3: the pairs alternate along the lanes */
                 memcpy(&pv, xr[r] + 4 * q, 8);
@@ -1015,41 +1020,62 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
         }
     }
     if (raw) return;
+    if (w4) { /* the minimums' terms after every group's dots, in group order (add_mins) */
+        const float *xs = c->xsum + i0 * G;
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 m0 = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(c->mins + (blk * G + g) * NB)));
+            __m512 m1 = m0;
+            if (nr == 2)
+                m1 = _mm512_cvtph_ps(
+                    _mm256_loadu_si256((const __m256i *)(c->mins + ((blk + 1) * G + g) * NB)));
+            for (int r = 0; r < mr; r++) {
+                const __m512 xv = _mm512_set1_ps(xs[r * G + g]);
+                f[r][0] = _mm512_fmadd_ps(xv, m0, f[r][0]);
+                if (nr == 2) f[r][1] = _mm512_fmadd_ps(xv, m1, f[r][1]);
+            }
+        }
+    }
     for (int r = 0; r < mr; r++) {
         vnni_store(c, blk, i0 + r, f[r][0]);
         if (nr == 2) vnni_store(c, blk + 1, i0 + r, f[r][1]);
     }
 }
 
-#define VNNI_ROWS(NR, RAW)                                                                 \
+#define VNNI_ROWS(NR, RAW, W4)                                                             \
     do {                                                                                   \
         int64_t i = i0;                                                                    \
         for (; i + VNNI_MR <= i1; i += VNNI_MR)                                            \
-            vnni_kernel(c, blk, i, VNNI_MR, NR, RAW, i == i0);                             \
+            vnni_kernel(c, blk, i, VNNI_MR, NR, RAW, i == i0, W4);                         \
         switch (i1 - i) {                                                                  \
-        case 3: vnni_kernel(c, blk, i, 3, NR, RAW, i == i0); break;                       \
-        case 2: vnni_kernel(c, blk, i, 2, NR, RAW, 0); break;                             \
-        case 1: vnni_kernel(c, blk, i, 1, NR, RAW, 0); break;                             \
+        case 3: vnni_kernel(c, blk, i, 3, NR, RAW, i == i0, W4); break;                   \
+        case 2: vnni_kernel(c, blk, i, 2, NR, RAW, 0, W4); break;                         \
+        case 1: vnni_kernel(c, blk, i, 1, NR, RAW, 0, W4); break;                         \
         default: break;                                                                    \
         }                                                                                  \
     } while (0)
 
-/* unit u = blocks 2u, 2u+1 (the last unit may hold one block) */
-VNNI_FN static void tile_vnni(const gemm_ctx *c, int64_t u, int64_t i0, int64_t i1) {
-    const int64_t blk = 2 * u;
-    const int two = blk + 1 < c->nb;
-    if (c->dots) {
-        if (two)
-            VNNI_ROWS(2, 1);
-        else
-            VNNI_ROWS(1, 1);
-    } else {
-        if (two)
-            VNNI_ROWS(2, 0);
-        else
-            VNNI_ROWS(1, 0);
+/* unit u = blocks 2u, 2u+1 (the last unit may hold one block); W4 = 1: nibble weights */
+#define VNNI_TILE(NAME, W4)                                                                \
+    VNNI_FN __attribute__((noinline)) static void NAME(const gemm_ctx *c, int64_t u,        \
+                                                       int64_t i0, int64_t i1) {           \
+        const int64_t blk = 2 * u;                                                         \
+        const int two = blk + 1 < c->nb;                                                   \
+        if (c->dots) {                                                                     \
+            if (two)                                                                       \
+                VNNI_ROWS(2, 1, W4);                                                       \
+            else                                                                           \
+                VNNI_ROWS(1, 1, W4);                                                       \
+        } else {                                                                           \
+            if (two)                                                                       \
+                VNNI_ROWS(2, 0, W4);                                                       \
+            else                                                                           \
+                VNNI_ROWS(1, 0, W4);                                                       \
+        }                                                                                  \
     }
-}
+VNNI_TILE(tile_vnni_w8, 0)
+VNNI_TILE(tile_vnni_w4, 1)
+#undef VNNI_TILE
 
 static void gemm_task(void *vctx, int64_t task, int tid) {
     (void)tid;
@@ -1061,7 +1087,7 @@ static void gemm_task(void *vctx, int64_t task, int tid) {
     if (i1 > c->m) i1 = c->m;
     for (int64_t u = u0; u < u1; u++) {
         if (c->path == SHMK_VNNI) {
-            tile_vnni(c, u, i0, i1);
+            (c->mins ? tile_vnni_w4 : tile_vnni_w8)(c, u, i0, i1);
             continue;
         }
         for (int64_t b = 2 * u; b < 2 * u + 2 && b < c->nb; b++) {
@@ -1129,8 +1155,6 @@ static void prepare(gemm_ctx *c, const float *x, const int16_t *xq_given) {
 static void init_ctx(gemm_ctx *c, int64_t m, const shmk_linear_t *w) {
     memset(c, 0, sizeof *c);
     c->path = shmk_path() == SHMK_AMX ? SHMK_VNNI : shmk_path(); /* the integer kernels */
-    /* NOTE: W4 runs the AVX2 code on AVX-512 machines too (no VNNI kernel for it yet) */
-    if (w->mins && c->path > SHMK_AVX2) c->path = SHMK_AVX2;
     c->m = m, c->k = w->k, c->kp = shmk_padded_k(w->k), c->G = c->kp / GK, c->n = w->n;
     c->packed = w->packed, c->scales = w->scales, c->mult = w->scale_mult, c->bias = w->bias;
     c->mins = w->mins;

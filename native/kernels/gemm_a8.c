@@ -196,7 +196,7 @@ INLINE VNNI_FN void vnni_kernel(const a8_ctx *c, int64_t blk, int64_t i0, const 
         for (int r = 0; r < mr; r++) d[r][0] = d[r][1] = _mm512_set1_epi32(-128 * vs[r * G + g]);
 #pragma GCC unroll 8
         for (int q = 0; q < GK / 4; q++) {
-            shmk_vnni_prefetch(wb0, G, g, q, mr, nr, pf_next);
+            shmk_vnni_prefetch(wb0, G, GBYTES, g, q, mr, nr, pf_next);
             const __m512i a = _mm512_loadu_si512(w0 + q * 64);
             const __m512i b = nr == 2 ? _mm512_loadu_si512(w1 + q * 64) : a;
             for (int r = 0; r < mr; r++) {

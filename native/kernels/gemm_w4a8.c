@@ -357,7 +357,7 @@ static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int
  * and the same epilogue.  Rows in slabs of up to W4A8_VNNI_MR (2 sums each: 16 of the 32 zmm,
  * plus the fp32 sums and the weights); a block's nibbles stay in L1 across a task's slabs.
  * NOTE: tested bit for bit against the portable twin under SIMDe's emulation of the intrinsics
- * (test_kernels_w4a8_emulated.py); not yet timed on a VNNI CPU. --- */
+ * (test_kernels_vnni_emulated.py); not yet timed on a VNNI CPU. --- */
 #define W4A8_VNNI_MR 8
 
 INLINE SHMK_VNNI_FN void vnni_kernel(const w4a8_ctx *c, int64_t blk, int64_t i0, const int mr,

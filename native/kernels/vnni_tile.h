@@ -10,27 +10,27 @@
 #define SHMK_VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define SHMK_PF_DIST 1024 /* software prefetch distance in a block stream (bytes) */
 
-/* Prefetch for quad row q of group g of a unit starting at wb0 (G groups a block, nr blocks).
+/* Prefetch for row q (64 bytes) of group g of a unit starting at wb0 (G groups a block of gb
+ * bytes each: GBYTES, or GBYTES / 2 for W4 nibbles, nr blocks).
  * Tiles of few rows (mr <= 2) stream the weights from memory: look SHMK_PF_DIST ahead in both
  * blocks.  Wide tiles reuse a unit from cache for every row tile after the first, so the memory
  * stream would stall the first and idle for the rest: pf_next (set on the first row tile of a
  * unit) brings the next unit (blocks blk+2, blk+3) into L2 while this one is computed. */
 static inline __attribute__((always_inline)) SHMK_VNNI_FN void shmk_vnni_prefetch(
-    const int8_t *wb0, int64_t G, int64_t g, int q, int mr, int nr, int pf_next) {
-    const int8_t *w0 = wb0 + g * GBYTES, *w1 = w0 + G * GBYTES;
+    const int8_t *wb0, int64_t G, int64_t gb, int64_t g, int q, int mr, int nr, int pf_next) {
+    const int8_t *w0 = wb0 + g * gb, *w1 = w0 + G * gb;
     if (mr <= 2) {
         /* NOTE: near the end of the unit, w0's look-ahead would land in block blk+1 (w1's,
          * already streaming); skip it to blk+3, the next unit's second block.  w1's look-ahead
          * runs on into blk+2, the next unit's first. */
-        const int64_t o = g * GBYTES + q * 64 + SHMK_PF_DIST;
-        _mm_prefetch((const char *)wb0 + o + (o >= G * GBYTES ? 2 * G * GBYTES : 0),
-                     _MM_HINT_T0);
+        const int64_t o = g * gb + q * 64 + SHMK_PF_DIST;
+        _mm_prefetch((const char *)wb0 + o + (o >= G * gb ? 2 * G * gb : 0), _MM_HINT_T0);
         if (nr == 2) _mm_prefetch((const char *)w1 + q * 64 + SHMK_PF_DIST, _MM_HINT_T0);
     } else if (pf_next) {
         /* NOTE: past the last unit these addresses leave the weights; prefetches of unmapped
          * memory are dropped, never fault. */
-        _mm_prefetch((const char *)w0 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
-        _mm_prefetch((const char *)w1 + 2 * G * GBYTES + q * 64, _MM_HINT_T1);
+        _mm_prefetch((const char *)w0 + 2 * G * gb + q * 64, _MM_HINT_T1);
+        _mm_prefetch((const char *)w1 + 2 * G * gb + q * 64, _MM_HINT_T1);
     }
 }
 

@@ -99,9 +99,9 @@ class Int8Llama:
         layers' weights in "int8" or "int4" (matrices a GGUF file holds as Q4_0 / Q4_1 / Q4_K
         packed from their grids, exact but for Q4_K's scales rounded to fp16; others fitted
         by ``PackedLinear.from_float(w4=True)``), or "auto": int4 for the matrices the file
-        holds that way, on kernel paths without AVX512-VNNI (W4 runs the AVX2 code, which there
-        is slower than the VNNI int8 kernels from a few rows); the embedding and LM head stay
-        int8."""
+        holds that way, on kernel paths without AVX512-VNNI (there the W8 kernels had been
+        faster than W4 on the AVX2 code from a few rows; W4's VNNI tiles are not timed yet);
+        the embedding and LM head stay int8."""
         # NOTE: the native attention has no window. Within the window a sliding-window model
         # attends to everything anyway, so it runs exactly up to that length (the runner caps
         # max_model_len there; forward() refuses longer sequences).

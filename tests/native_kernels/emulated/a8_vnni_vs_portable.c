@@ -1,6 +1,6 @@
 /* gemm_a8.c's VNNI kernel against its portable twin, bit for bit, where the CPU has no AVX-512:
  * built against SIMDe's emulation of the intrinsics (immintrin.h here) by
- * test_kernels_a8_emulated.py, which splices in gemm_a8.c (target attributes removed) and
+ * test_kernels_vnni_emulated.py, which splices in gemm_a8.c (target attributes removed) and
  * pool.c's work split.  Tasks run in reverse order on one thread: any order must give the
  * same bits. */
 #include <stdio.h>

@@ -1,6 +1,6 @@
 /* AVX-512 intrinsics on any x86 CPU: SIMDe's portable emulation (Debian: libsimde-dev), plus the
  * few that SIMDe 0.7.4 lacks, lane by lane (fmadd fused, as the hardware's). For
- * a8_vnni_vs_portable.c only. */
+ * the drivers here only. */
 #ifndef SIMDE_SHIM_H
 #define SIMDE_SHIM_H
 #define SIMDE_ENABLE_NATIVE_ALIASES
@@ -70,4 +70,11 @@ static inline __m512 shim_fmadd_ps(__m512 a, __m512 b, __m512 c) {
 }
 #undef _mm512_fmadd_ps
 #define _mm512_fmadd_ps shim_fmadd_ps
+static inline __m512i _mm512_cvtepu8_epi16(__m256i v) {
+    uint8_t a[32]; int16_t r[32]; __m512i o;
+    memcpy(a, &v, 32);
+    for (int i = 0; i < 32; i++) r[i] = a[i];
+    memcpy(&o, r, 64);
+    return o;
+}
 #endif

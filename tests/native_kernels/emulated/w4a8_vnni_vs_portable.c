@@ -1,6 +1,6 @@
 /* gemm_w4a8.c's VNNI kernel (and its AVX2 quantiser, which every path from avx2 up runs)
  * against the portable twin, bit for bit, where the CPU has no AVX-512: built against SIMDe's
- * emulation of the intrinsics (immintrin.h here) by test_kernels_a8_emulated.py, which splices
+ * emulation of the intrinsics (immintrin.h here) by test_kernels_vnni_emulated.py, which splices
  * in gemm_w4a8.c (target attributes removed; the AVX2 GEMM, whose asm takes no emulated
  * types, replaced by the portable tiles: test_kernels_w4a8.py checks it on the CPU) and
  * pool.c's work split.  Tasks run in reverse order on one thread: any order must give the

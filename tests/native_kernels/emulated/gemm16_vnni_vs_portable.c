@@ -1,0 +1,123 @@
+/* gemm16.c's VNNI kernel, on W8 and on W4 (nibble) weights, against its portable twin, bit for
+ * bit, where the CPU has no AVX-512: built against SIMDe's emulation of the intrinsics
+ * (immintrin.h here) by test_kernels_vnni_emulated.py, which splices in gemm16.c (target
+ * attributes removed; the AVX2 tiles, whose asm takes no emulated types, replaced by the
+ * portable ones: test_kernels_gemm.py and test_kernels_w4.py check them on the CPU) and
+ * pool.c's work split.  Both the float results and the raw group dots
+ * (shmk_gemm_group_dots).  Tasks run in reverse order on one thread: any order must give the
+ * same bits. */
+#include <stdio.h>
+#include <stdlib.h>
+#include "gemm16.c"
+#include "split.inc"
+
+/* ---- what gemm16.c takes from the rest of the library (pool.c, the other kernels) ---- */
+static int g_threads = 1;
+int shmk_threads(void) { return g_threads; }
+int shmk_amx_available(void) { return 0; }
+void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t n) {
+    for (int64_t t = n - 1; t >= 0; t--) fn(ctx, t, (int)(t % 2)); /* reverse order */
+}
+void *shmk_scratch(int slot, size_t bytes) {
+    static void *p[10];
+    static size_t sz[10];
+    if (sz[slot] < bytes) {
+        free(p[slot]);
+        p[slot] = aligned_alloc(64, (bytes + 4159) & ~(size_t)63);
+        sz[slot] = bytes;
+    }
+    return p[slot];
+}
+#define UNUSED_KERNEL(NAME)                                                                   \
+    void NAME(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate) {  \
+        (void)w, (void)x, (void)m, (void)y, (void)accumulate;                                 \
+        abort();                                                                              \
+    }
+UNUSED_KERNEL(shmk_linear_amx)
+UNUSED_KERNEL(shmk_linear_amx8)
+UNUSED_KERNEL(shmk_linear_a8_impl)
+UNUSED_KERNEL(shmk_linear_w4a8_impl)
+
+/* ---- cases ---- */
+static uint32_t rs = 12345;
+static uint32_t rnd(void) { return (rs = rs * 1664525u + 1013904223u) >> 8; }
+static float frand(void) { return (float)(rnd() & 0xffff) / 32768.f - 1.f; }
+
+/* rows 1.. are edge rows: zeros, below the smallest usable max, NaNs, an inf, a constant
+ * group, values whose sums overflow fp32; the rest have a few large k */
+static void fill_rows(float *x, int64_t m, int64_t k) {
+    for (int64_t i = 0; i < m * k; i++) x[i] = frand() * ((rnd() % 40) ? 1.f : 30.f);
+    for (int64_t t = 0; t < k; t++) {
+        if (m > 1) x[1 * k + t] = 0.f;
+        if (m > 2) x[2 * k + t] = 1e-35f;
+        if (m > 3 && t % 3 == 0) x[3 * k + t] = NAN;
+        if (m > 5 && t < 32) x[5 * k + t] = 2.5f;
+        if (m > 7 && t % 5 == 0) x[7 * k + t] = 3e37f;
+    }
+    if (m > 4) x[4 * k] = INFINITY;
+}
+
+/* 1 if the VNNI kernel and the portable one differ in any bit (results or raw dots) */
+static int differs(int w4, int64_t n, int64_t k, int64_t m, int threads, int bias, int accum) {
+    const int64_t kp = shmk_padded_k(k), nb = shmk_cdiv(n, NB), G = kp / GK;
+    const int64_t bytes = nb * G * (w4 ? GBYTES / 2 : GBYTES);
+    int8_t *packed = malloc(bytes);
+    uint16_t *scales = malloc(nb * G * NB * sizeof(uint16_t));
+    uint16_t *mins = malloc(nb * G * NB * sizeof(uint16_t));
+    float *b = malloc(n * sizeof(float)), *x = malloc(m * k * sizeof(float));
+    float *y0 = malloc(m * n * sizeof(float)), *y1 = malloc(m * n * sizeof(float));
+    int16_t *xq = malloc(m * kp * sizeof(int16_t));
+    int32_t *d0 = malloc(m * n * G * sizeof(int32_t)), *d1 = malloc(m * n * G * sizeof(int32_t));
+    /* W8 weights in [-127, 127] (the kernels' contract: no -128), W4 any byte */
+    for (int64_t i = 0; i < bytes; i++)
+        packed[i] = w4 ? (int8_t)rnd() : (int8_t)((int)(rnd() % 255) - 127);
+    for (int64_t i = 0; i < nb * G * NB; i++) {
+        scales[i] = (uint16_t)(0x2c00 + rnd() % 0x1000);
+        mins[i] = (uint16_t)((rnd() & 0x8000) | (0x2c00 + rnd() % 0x1000)); /* either sign */
+    }
+    for (int64_t i = 0; i < n; i++) b[i] = frand();
+    fill_rows(x, m, k);
+    for (int64_t i = 0; i < m * n; i++) y0[i] = y1[i] = frand();
+    for (int64_t i = 0; i < m * kp; i++) xq[i] = (int16_t)((int)(rnd() % 65535) - 32767);
+    shmk_linear_t w = {.n = n, .k = k, .packed = packed, .scales = scales, .scale_mult = 0.5f,
+                       .bias = bias ? b : NULL, .act_bf16 = 0, .act8 = 0,
+                       .mins = w4 ? mins : NULL};
+    g_threads = threads;
+    g_path = SHMK_PORTABLE;
+    shmk_linear_impl(&w, x, m, y0, accum);
+    shmk_gemm_group_dots(xq, m, &w, d0);
+    g_path = SHMK_VNNI;
+    shmk_linear_impl(&w, x, m, y1, accum);
+    shmk_gemm_group_dots(xq, m, &w, d1);
+    int bad = 0;
+    if (memcmp(d0, d1, m * n * G * sizeof(int32_t))) {
+        printf("dots differ: w4=%d n=%ld k=%ld m=%ld threads=%d\n", w4, (long)n, (long)k,
+               (long)m, threads);
+        bad = 1;
+    }
+    for (int64_t i = 0; i < m * n && !bad; i++)
+        if (memcmp(&y0[i], &y1[i], sizeof(float))) {
+            printf("differ: w4=%d n=%ld k=%ld m=%ld threads=%d bias=%d accum=%d row %ld col %ld: "
+                   "%g %g\n", w4, (long)n, (long)k, (long)m, threads, bias, accum,
+                   (long)(i / n), (long)(i % n), y0[i], y1[i]);
+            bad = 1;
+        }
+    free(packed), free(scales), free(mins), free(b), free(x), free(y0), free(y1);
+    free(xq), free(d0), free(d1);
+    return bad;
+}
+
+int main(void) {
+    const int64_t shapes[][2] = {{16, 32}, {17, 7}, {33, 131}, {960, 576}, {50, 1536}, {40, 70}};
+    const int64_t ms[] = {1, 2, 3, 4, 5, 7, 8, 16, 25};
+    int runs = 0, bad = 0;
+    for (int w4 = 0; w4 <= 1; w4++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++)
+                for (int threads = 1; threads <= 2; threads++)
+                    for (int flags = 0; flags < 4; flags++, runs++)
+                        bad += differs(w4, shapes[s][0], shapes[s][1], ms[i], threads, flags & 1,
+                                       flags >> 1);
+    printf("%d runs, %d differ\n", runs, bad);
+    return bad != 0;
+}
