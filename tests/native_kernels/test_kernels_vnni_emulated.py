@@ -34,7 +34,7 @@ def _build_and_run(tmp_path, sources: tuple[str, ...], driver: str, edit=lambda 
     (tmp_path / "split.inc").write_text(pool[start : pool.index("/* ---- thread-local scratch")])
     exe = tmp_path / "emulated"
     built = subprocess.run(
-        ["gcc", "-O1", "-std=gnu11", f"-I{HERE}", f"-I{tmp_path}", "-o", str(exe),
+        ["gcc", "-Og", "-std=gnu11", f"-I{HERE}", f"-I{tmp_path}", "-o", str(exe),
          str(HERE / driver), "-lm"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

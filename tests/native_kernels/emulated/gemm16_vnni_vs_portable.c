@@ -12,22 +12,8 @@
 #include "split.inc"
 
 /* ---- what gemm16.c takes from the rest of the library (pool.c, the other kernels) ---- */
-static int g_threads = 1;
-int shmk_threads(void) { return g_threads; }
+#include "driver.h"
 int shmk_amx_available(void) { return 0; }
-void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t n) {
-    for (int64_t t = n - 1; t >= 0; t--) fn(ctx, t, (int)(t % 2)); /* reverse order */
-}
-void *shmk_scratch(int slot, size_t bytes) {
-    static void *p[10];
-    static size_t sz[10];
-    if (sz[slot] < bytes) {
-        free(p[slot]);
-        p[slot] = aligned_alloc(64, (bytes + 4159) & ~(size_t)63);
-        sz[slot] = bytes;
-    }
-    return p[slot];
-}
 #define UNUSED_KERNEL(NAME)                                                                   \
     void NAME(const shmk_linear_t *w, const float *x, int64_t m, float *y, int accumulate) {  \
         (void)w, (void)x, (void)m, (void)y, (void)accumulate;                                 \
@@ -39,24 +25,6 @@ UNUSED_KERNEL(shmk_linear_a8_impl)
 UNUSED_KERNEL(shmk_linear_w4a8_impl)
 
 /* ---- cases ---- */
-static uint32_t rs = 12345;
-static uint32_t rnd(void) { return (rs = rs * 1664525u + 1013904223u) >> 8; }
-static float frand(void) { return (float)(rnd() & 0xffff) / 32768.f - 1.f; }
-
-/* rows 1.. are edge rows: zeros, below the smallest usable max, NaNs, an inf, a constant
- * group, values whose sums overflow fp32; the rest have a few large k */
-static void fill_rows(float *x, int64_t m, int64_t k) {
-    for (int64_t i = 0; i < m * k; i++) x[i] = frand() * ((rnd() % 40) ? 1.f : 30.f);
-    for (int64_t t = 0; t < k; t++) {
-        if (m > 1) x[1 * k + t] = 0.f;
-        if (m > 2) x[2 * k + t] = 1e-35f;
-        if (m > 3 && t % 3 == 0) x[3 * k + t] = NAN;
-        if (m > 5 && t < 32) x[5 * k + t] = 2.5f;
-        if (m > 7 && t % 5 == 0) x[7 * k + t] = 3e37f;
-    }
-    if (m > 4) x[4 * k] = INFINITY;
-}
-
 /* 1 if the VNNI kernel and the portable one differ in any bit (results or raw dots) */
 static int differs(int w4, int64_t n, int64_t k, int64_t m, int threads, int bias, int accum) {
     const int64_t kp = shmk_padded_k(k), nb = shmk_cdiv(n, NB), G = kp / GK;

@@ -12,43 +12,9 @@
 int64_t shmk_padded_k(int64_t k) { return shmk_cdiv(k, GK) * GK; }
 
 /* ---- what gemm_w4a8.c takes from the rest of the library (gemm16.c, pool.c) ---- */
-static int g_path = SHMK_VNNI, g_threads = 1;
+#include "driver.h"
+static int g_path = SHMK_VNNI;
 int shmk_path(void) { return g_path; }
-int shmk_threads(void) { return g_threads; }
-
-void shmk_parallel(shmk_task_fn fn, void *ctx, int64_t n) {
-    for (int64_t t = n - 1; t >= 0; t--) fn(ctx, t, (int)(t % 2)); /* reverse order */
-}
-
-void *shmk_scratch(int slot, size_t bytes) {
-    static void *p[10];
-    static size_t sz[10];
-    if (sz[slot] < bytes) {
-        free(p[slot]);
-        p[slot] = aligned_alloc(64, (bytes + 4159) & ~(size_t)63);
-        sz[slot] = bytes;
-    }
-    return p[slot];
-}
-
-/* ---- cases ---- */
-static uint32_t rs = 12345;
-static uint32_t rnd(void) { return (rs = rs * 1664525u + 1013904223u) >> 8; }
-static float frand(void) { return (float)(rnd() & 0xffff) / 32768.f - 1.f; }
-
-/* rows 1.. are edge rows: zeros, below the smallest usable max, NaNs, an inf, a half of
- * constants, values whose sums overflow fp32; the rest have a few large k */
-static void fill_rows(float *x, int64_t m, int64_t k) {
-    for (int64_t i = 0; i < m * k; i++) x[i] = frand() * ((rnd() % 40) ? 1.f : 30.f);
-    for (int64_t t = 0; t < k; t++) {
-        if (m > 1) x[1 * k + t] = 0.f;
-        if (m > 2) x[2 * k + t] = 1e-35f;
-        if (m > 3 && t % 3 == 0) x[3 * k + t] = NAN;
-        if (m > 5 && t < 16) x[5 * k + t] = 2.5f;
-        if (m > 7 && t % 5 == 0) x[7 * k + t] = 3e37f;
-    }
-    if (m > 4) x[4 * k] = INFINITY;
-}
 
 static int run_differs(const float *y0, const float *y1, int64_t m, int64_t n, int64_t k,
                        int threads, int bias, int accum) {
