@@ -53,15 +53,6 @@ static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int a
 }
 
 int main(void) {
-    const int64_t shapes[][2] = {{16, 32}, {17, 7},    {33, 131}, {960, 576},
-                                 {50, 1536}, {40, 70}, {20, 1},   {24, 4096}};
     const int64_t ms[] = {1, 2, 3, 4, 5, 8, 16, 17, 24, 25, 70, 100};
-    int runs = 0, bad = 0;
-    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
-        for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++)
-            for (int threads = 1; threads <= 2; threads++)
-                for (int flags = 0; flags < 4; flags++, runs++)
-                    bad += differs(shapes[s][0], shapes[s][1], ms[i], threads, flags & 1, flags >> 1);
-    printf("%d runs, %d differ\n", runs, bad);
-    return bad != 0;
+    return run_cases(differs, ms, sizeof ms / sizeof ms[0]);
 }

@@ -5,6 +5,7 @@
 #ifndef EMULATED_DRIVER_H
 #define EMULATED_DRIVER_H
 #include <math.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -43,5 +44,22 @@ static void fill_rows(float *x, int64_t m, int64_t k) {
         if (m > 7 && t % 5 == 0) x[7 * k + t] = 3e37f;
     }
     if (m > 4) x[4 * k] = INFINITY;
+}
+
+typedef int (*differs_fn)(int64_t n, int64_t k, int64_t m, int threads, int bias, int accum);
+
+/* differs() on every shape x row count x 1 and 2 threads x bias x accumulation: prints
+ * "R runs, D differ" and returns whether any did */
+static int run_cases(differs_fn differs, const int64_t *ms, size_t nms) {
+    static const int64_t shapes[][2] = {{16, 32}, {17, 7},    {33, 131}, {960, 576},
+                                        {50, 1536}, {40, 70}, {20, 1},   {24, 4096}};
+    int runs = 0, bad = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (size_t i = 0; i < nms; i++)
+            for (int threads = 1; threads <= 2; threads++)
+                for (int flags = 0; flags < 4; flags++, runs++)
+                    bad += differs(shapes[s][0], shapes[s][1], ms[i], threads, flags & 1, flags >> 1);
+    printf("%d runs, %d differ\n", runs, bad);
+    return bad != 0;
 }
 #endif
