@@ -6,7 +6,9 @@
   also for the opt-in int8 activations where they run (`a8_` keys): on kernel path "vnni"
   (W8, smoothed weights), or on the 4-bit layers elsewhere (W4 x A8);
   where ``--weight-dtype auto`` (the engine's default) packs layers in 4 bits, also for the
-  all-int8 model (`w8_` keys);
+  all-int8 model (`w8_` keys); where it packs W8 on a file's 4-bit layers (paths vnni and amx,
+  whose W4 kernels are not timed yet), also for W4 on int16 and on 8-bit activations (`w4_`,
+  `w4a8_` keys);
 - peak RSS of a fresh process that loads the model as measured (KV cache excluded).
 
     python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
@@ -184,6 +186,16 @@ def main() -> int:
         models["a8"] = int8_model("int8", "int8")
     elif args.activation_dtype == "int16" and any(models["int8"].w4_linears):
         models["a8"] = int8_model("int8", args.weight_dtype)  # W4 x A8 (gemm_w4a8.c)
+    # NOTE: where `auto` packs W8 for want of a timing (path vnni: W4 on the VNNI tiles and
+    # W4 x A8 on vpdpbusd, new and not timed there yet), both 4-bit forms beside it (w4_, w4a8_)
+    if (
+        args.weight_dtype == "auto"
+        and args.activation_dtype == "int16"
+        and machine["kernel_path"] in ("vnni", "amx")
+        and any(loaded.weights.stored_in_4bit_groups(n) for n in loaded.weights)
+    ):
+        models["w4"] = int8_model("int16", "int4")
+        models["w4a8"] = int8_model("int8", "int4")
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
     threads = torch.get_num_threads()
