@@ -3,8 +3,8 @@
  *
  * A W4 weight (shmk_linear_t.mins) with `act8` set takes this kernel for every call, on every
  * path (shmk_linear_impl; the VNNI code on paths vnni and amx, the AVX2 code on avx2, else the
- * portable twin, all with the same bits).  The weights are packed as for the int16 kernels (w4.c), unrotated and on the
- * file's own grids: only the activations change.
+ * portable twin, all with the same bits).  The weights are packed as for the int16 kernels
+ * (w4.c), unrotated and on the file's own grids: only the activations change.
  *
  * Why it is faster on AVX2: `vpmaddubsw` multiplies 32 u8 x s8 pairs an instruction and adds
  * them in pairs to int16, which saturates for 8-bit weights (2 x 127 x 127 > 32767; hence the
@@ -19,7 +19,7 @@
  * has its own int16 sums.  The qkv projection keeps int16 activations (int8_model.py: 8 bits
  * there cost the most).
  *
- * Math (portable and AVX2 agree bit for bit):
+ * Math (portable, AVX2 and VNNI agree bit for bit):
  *   activations, per row i and half h of 32 k (16 consecutive k, zeros past k):
  *     sx[i][h] = max|x| / 127, xq = rint(x * (127 / max|x|)) in [-127, 127]; NaN elements are
  *     ignored by the max and quantise to 0; a half with max|x| < 2^-100 is zeros with sx = 0
@@ -355,7 +355,8 @@ static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int
  * embedded broadcast of the row's four activations.  No widening and no int16 sums (the AVX2
  * kernel's pair adds and their vpmaddwd by ones): per group, row and 16 channels two int32 sums
  * and the same epilogue.  Rows in slabs of up to W4A8_VNNI_MR (2 sums each: 16 of the 32 zmm,
- * plus the fp32 sums and the weights); a block's nibbles stay in L1 across a task's slabs.
+ * plus the fp32 sums and the weights); a block's nibbles (G x 256 bytes: 4.5 KB at k = 576)
+ * stay in L1 across a task's slabs, in L2 for the longest k.
  * NOTE: tested bit for bit against the portable twin under SIMDe's emulation of the intrinsics
  * (test_kernels_vnni_emulated.py); not yet timed on a VNNI CPU. --- */
 #define W4A8_VNNI_MR 8

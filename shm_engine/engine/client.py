@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -39,6 +39,9 @@ from shm_engine.engine.protocol import (
     EngineStartup,
     UtilityCall,
 )
+
+if TYPE_CHECKING:
+    from shm_engine.ipc import ChannelListener
 
 # What encoding a message raises (the ring's own errors are IPCError and TimeoutError): nothing
 # was written, the engine is fine, and the caller learns what was wrong with the message.
@@ -115,6 +118,60 @@ class InprocClient:
                 self.core.shutdown()
 
 
+class EngineLaunch:
+    """An engine process started ahead of its client, which adopts it (``SyncMPClient(...,
+    launch=)``): the engine's imports then overlap whatever the frontend does before it builds
+    the client (``serve``: its web stack and the model's metadata, ~1.5 s). ``close()`` stops
+    one that no client adopted; after an adoption it does nothing."""
+
+    def __init__(self, engine_index: int = 0) -> None:
+        from shm_engine.ipc import ChannelListener
+
+        self.engine_index = engine_index
+        self.adopted = False
+        self.listener = ChannelListener()
+        try:
+            # NOTE: a fresh interpreter (not multiprocessing's spawn) so the user's __main__ is
+            # never re-imported in the engine and scripts need no `if __name__ == "__main__"`
+            # guard.
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "shm_engine.engine.core_proc",
+                    self.listener.address,
+                    f"--engine-index={engine_index}",
+                ],
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            self.listener.close()
+            raise
+
+    def adopt(self) -> tuple[ChannelListener, subprocess.Popen]:
+        if self.adopted:
+            raise RuntimeError("this engine launch was adopted or closed already")
+        self.adopted = True
+        return self.listener, self.proc
+
+    def close(self) -> None:
+        if self.adopted:
+            return
+        self.adopted = True
+        _stop_process(self.proc)
+        self.listener.close()
+
+
+def _stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class SyncMPClient:
     """Spawns an engine process and exchanges messages with it over a shared-memory channel."""
 
@@ -125,19 +182,20 @@ class SyncMPClient:
         engine_index: int = 0,
         outputs: queue.Queue | None = None,
         ring_capacity: int | None = None,
+        launch: EngineLaunch | None = None,
     ) -> None:
         """``outputs``: a queue shared with other clients (data parallel merges replicas here).
 
         ``ring_capacity``: bytes of each direction's ring (a power of two; the IPC default if None).
+        ``launch``: an engine process started ahead (its engine_index wins), else one is started.
         """
-        from shm_engine.ipc import ChannelListener
         from shm_engine.ipc.channel import DEFAULT_CAPACITY, check_capacity
 
         self._ring_capacity = DEFAULT_CAPACITY if ring_capacity is None else ring_capacity
         check_capacity(self._ring_capacity)  # before a process is spawned for nothing
 
         self.config = config
-        self.engine_index = engine_index
+        self.engine_index = launch.engine_index if launch is not None else engine_index
         self._dead: str | None = None
         self._closing = False
         self._call_ids = itertools.count()
@@ -145,19 +203,7 @@ class SyncMPClient:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = outputs or queue.Queue()
-        self.listener = ChannelListener()
-        # NOTE: a fresh interpreter (not multiprocessing's spawn) so the user's __main__ is never
-        # re-imported in the engine and scripts need no `if __name__ == "__main__"` guard.
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "shm_engine.engine.core_proc",
-                self.listener.address,
-                f"--engine-index={engine_index}",
-            ],
-            stdin=subprocess.DEVNULL,
-        )
+        self.listener, self.proc = (launch or EngineLaunch(engine_index)).adopt()
         try:
             self.channel = self._accept(startup_timeout)
             hello = self.channel.recv(timeout=startup_timeout)
@@ -330,13 +376,7 @@ class SyncMPClient:
         self.listener.close()
 
     def _kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop_process(self.proc)
 
     def __enter__(self):
         return self
@@ -358,11 +398,12 @@ class AsyncMPClient(SyncMPClient):
         startup_timeout: float = 300.0,
         engine_index: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
+        launch: EngineLaunch | None = None,
     ) -> None:
         """``loop``: the consuming loop, for a client built in another thread (replicas)."""
         self._loop = loop or asyncio.get_running_loop()
         self._aqueue: asyncio.Queue = asyncio.Queue()
-        super().__init__(config, startup_timeout, engine_index=engine_index)
+        super().__init__(config, startup_timeout, engine_index=engine_index, launch=launch)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         try:

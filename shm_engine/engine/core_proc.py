@@ -97,6 +97,11 @@ class EngineCoreProc:
     def __init__(
         self, addresses: list[str], engine_index: int = 0, handshake_timeout: float = 60.0
     ):
+        # NOTE: the model runner's imports (torch, ~1.5 s) before the handshake: a frontend
+        # that started this process ahead (EngineLaunch: LLM, serve) does its own imports and
+        # reads meanwhile and accepts the connection once done.  No thread starts here, so the
+        # CPU mask set below still reaches every thread the engine creates.
+        import shm_engine.engine.model_runner  # noqa: F401
         from shm_engine.ipc import connect
 
         self.engine_index = engine_index

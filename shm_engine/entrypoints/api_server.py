@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from shm_engine.engine.client import EngineDeadError
+from shm_engine.engine.client import EngineDeadError, EngineLaunch
 from shm_engine.engine.config import EngineConfig
 from shm_engine.entrypoints.async_engine import AsyncLLM
 from shm_engine.entrypoints.hot_routes import HotRoutes, validation_message
@@ -52,8 +52,10 @@ def build_app(
     model_info: ModelInfo | None = None,
     chat_options: ChatOptions | None = None,
     api_key: str | None = None,
+    launch: EngineLaunch | None = None,
 ) -> HotRoutes:
-    """The ASGI app; the engine starts in its lifespan and stops with it.
+    """The ASGI app; the engine starts in its lifespan and stops with it (``launch``: its
+    process, started ahead by the caller).
 
     Lifespan startup runs before uvicorn binds, so the port opens once the model is loaded.
 
@@ -65,7 +67,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         try:
             engine = await AsyncLLM.create(
-                config, served_model_name, data_parallel_size, model_info
+                config, served_model_name, data_parallel_size, model_info, launch
             )
         except EngineDeadError as e:
             app.state.start_failure = str(e)  # serve() reports it in one line
@@ -203,17 +205,19 @@ def serve(
     model_info: ModelInfo | None = None,
     chat_options: ChatOptions | None = None,
     api_key: str | None = None,
+    launch: EngineLaunch | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory.
 
-    ``api_key``: /v1 requests must carry ``Authorization: Bearer <api_key>`` (api_key.py)."""
+    ``api_key``: /v1 requests must carry ``Authorization: Bearer <api_key>`` (api_key.py).
+    ``launch``: the engine process, if the caller started it ahead (``EngineLaunch``)."""
     if not 0 <= port <= 65535:
         # NOTE: uvicorn's bind raises OverflowError for it after the lifespan started the
         # engine, and the process then never exited.
         raise ValueError(f"port must be in 0..65535, got {port}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = build_app(
-        config, served_model_name, data_parallel_size, model_info, chat_options, api_key
+        config, served_model_name, data_parallel_size, model_info, chat_options, api_key, launch
     )
     if api_key is not None:
         logging.getLogger(__name__).info("/v1 requests need the API key (Authorization: Bearer)")

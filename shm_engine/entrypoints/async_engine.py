@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from shm_engine.engine.client import AsyncMPClient, EngineDeadError
+from shm_engine.engine.client import AsyncMPClient, EngineDeadError, EngineLaunch
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.dp_client import AsyncDPClient
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
@@ -176,8 +176,10 @@ class AsyncLLM:
         model_name: str | None = None,
         data_parallel_size: int = 1,
         model_info: ModelInfo | None = None,
+        launch: EngineLaunch | None = None,
     ) -> AsyncLLM:
-        """``model_info``: the model's config and tokenizer, if the caller has read them."""
+        """``model_info``: the model's config and tokenizer, if the caller has read them;
+        ``launch``: the engine process, if the caller started it ahead (one replica only)."""
         from shm_engine.model.loader import load_model_info
 
         # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
@@ -186,7 +188,7 @@ class AsyncLLM:
         if data_parallel_size > 1:
             client = AsyncDPClient(config, data_parallel_size)
         else:
-            client = AsyncMPClient(config)
+            client = AsyncMPClient(config, launch=launch)
         name = model_name or client.ready.model_name
         priority = config.scheduling_policy == "priority"
         return cls(client, info.tokenizer, name, info.sampling_defaults, priority)

@@ -206,6 +206,8 @@ def cmd_chat(args) -> int:
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     messages: list[dict[str, str]] = list(system)
     with _build_llm(args) as llm:
+        if system:
+            _check_system_prompt(llm, system)
         while True:
             try:
                 line = _read_line("> ")
@@ -233,6 +235,17 @@ def cmd_chat(args) -> int:
                 messages.pop()
             else:
                 messages.append({"role": "assistant", "content": reply})
+
+
+def _check_system_prompt(llm, system: list[dict[str, str]]) -> None:
+    """A chat template that refuses a system message (raise_exception, as Gemma's and early
+    Mistral's do) is a one-line error before the first turn, not a traceback at it."""
+    import jinja2
+
+    try:
+        _chat_prompt(llm, [*system, {"role": "user", "content": "Hello."}])
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--system-prompt: the model's chat template refuses it: {e}") from None
 
 
 def _read_line(prompt: str) -> str:
@@ -284,7 +297,8 @@ def _chat_turn(llm, messages: list[dict[str, str]], params) -> str | None:
         alone = len(_chat_prompt(llm, messages[:keep] + messages[-1:])[1])
         if alone >= llm.max_model_len:
             print(
-                f"error: this message takes {alone} tokens on its own, and the model's maximum "
+                f"error: this message takes {alone} tokens on its own"
+                f"{' (with the system prompt)' if keep else ''}, and the model's maximum "
                 f"context length is {llm.max_model_len} (with room for the reply)",
                 file=sys.stderr,
             )
@@ -328,32 +342,43 @@ def serve_config(args):
 
 
 def cmd_serve(args) -> int:
-    from shm_engine.engine.config import check_max_model_len
+    from shm_engine.engine.client import EngineLaunch
     from shm_engine.engine.dp_client import split_cores
-    from shm_engine.entrypoints.api_server import serve
-    from shm_engine.model.loader import load_model_info
 
     config = serve_config(args)
-    chat = chat_options(args)
-    # NOTE: mistakes the engine would find only once loaded, behind uvicorn's lifespan
-    # traceback (exit 3), are one line and exit 2 here: too many replicas, a missing or
-    # unreadable model, a context longer than the model's.
-    split_cores(args.data_parallel_size)
-    model = load_model_info(config.model)  # config and tokenizer: no weights, no torch
-    check_max_model_len(config.max_model_len, model.config.max_position_embeddings)
-    serve(
-        config,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        data_parallel_size=args.data_parallel_size,
-        model_info=model,
-        chat_options=chat,
-        # NOTE: an explicit --api-key "" is checked (an error); an empty variable is unset
-        api_key=args.api_key if args.api_key is not None else api_key_from_env(),
-    )
+    split_cores(args.data_parallel_size)  # too many replicas: before any process starts
+    # NOTE: one engine starts before the web stack is imported and the model's metadata read
+    # (~1.5 s): its own imports run meanwhile on the other core, and the server is up that much
+    # sooner.  Anything that fails before the server adopts it stops it again.
+    launch = EngineLaunch() if args.data_parallel_size == 1 else None
+    try:
+        from shm_engine.engine.config import check_max_model_len
+        from shm_engine.entrypoints.api_server import serve
+        from shm_engine.model.loader import load_model_info
+
+        chat = chat_options(args)
+        # NOTE: mistakes the engine would find only once loaded, behind uvicorn's lifespan
+        # traceback (exit 3), are one line and exit 2 here: a missing or unreadable model, a
+        # context longer than the model's.
+        model = load_model_info(config.model)  # config and tokenizer: no weights, no torch
+        check_max_model_len(config.max_model_len, model.config.max_position_embeddings)
+        serve(
+            config,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            data_parallel_size=args.data_parallel_size,
+            model_info=model,
+            chat_options=chat,
+            # NOTE: an explicit --api-key "" is checked (an error); an empty variable is unset
+            api_key=args.api_key if args.api_key is not None else api_key_from_env(),
+            launch=launch,
+        )
+    finally:
+        if launch is not None:
+            launch.close()  # nothing, once the server adopted it
     return 0
 
 

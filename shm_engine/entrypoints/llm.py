@@ -13,12 +13,11 @@ import itertools
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shm_engine.engine.client import EngineDeadError, InprocClient, SyncMPClient
+from shm_engine.engine.client import EngineDeadError, EngineLaunch, InprocClient, SyncMPClient
 from shm_engine.engine.config import EngineConfig, speculative_args
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest
@@ -60,29 +59,22 @@ class LLM:
         engine_args.update(speculative_args(speculative_config))
         self.config = EngineConfig(model=model, **engine_args)
         resolve_model_path(model)  # a missing model fails here, before an engine is spawned
-        # NOTE: only the config and tokenizer are read in this process (no torch, no weights),
-        # in a thread while the engine starts: parsing the GGUF's vocabulary (~0.7 s) overlaps
-        # the engine's imports on the other core instead of delaying its spawn.
-        with ThreadPoolExecutor(1, thread_name_prefix="model-info") as pool:
-            pending_info = pool.submit(load_model_info, model)
-            try:
-                self.client = self._start_client(in_process, data_parallel_size)
-            except Exception as e:
-                # a model this process cannot read either: its error says why, the engine's
-                # only that it failed to start
-                if pending_info.exception() is not None:
-                    raise pending_info.exception() from e
-                raise
-            try:
-                info = pending_info.result()
-            except BaseException:
-                self.client.shutdown()
-                raise
-        self.tokenizer = info.tokenizer
-        self._sampling_defaults = info.sampling_defaults
+        # NOTE: the engine process starts first; this one reads only the config and tokenizer
+        # (no torch, no weights: ~0.45 s of the GGUF's vocabulary) while the engine imports
+        # its own, and a model it cannot read stops the engine at once.
+        launch = EngineLaunch() if not in_process and data_parallel_size == 1 else None
+        try:
+            info = load_model_info(model)
+            self.client = self._start_client(in_process, data_parallel_size, launch)
+        except BaseException:
+            if launch is not None:
+                launch.close()  # nothing, once a client adopted it (it stops its engine itself)
+            raise
         # NOTE: an LLM dropped without shutdown() stops its engine when it is collected (or at
         # exit); the client cannot do this itself, since its receiver thread keeps it reachable.
         self._stop_engine = weakref.finalize(self, self.client.shutdown)
+        self.tokenizer = info.tokenizer
+        self._sampling_defaults = info.sampling_defaults
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # NOTE: the newest output of every request in flight, whoever pumped it: a stream paused
@@ -90,14 +82,16 @@ class LLM:
         # here (each is cumulative, so the newest is all a consumer needs).
         self._latest: dict[str, RequestOutput] = {}
 
-    def _start_client(self, in_process: bool, data_parallel_size: int) -> EngineClient:
+    def _start_client(
+        self, in_process: bool, data_parallel_size: int, launch: EngineLaunch | None
+    ) -> EngineClient:
         if in_process:
             return InprocClient(self.config)
         if data_parallel_size > 1:
             from shm_engine.engine.dp_client import DPClient
 
             return DPClient(self.config, data_parallel_size)
-        return SyncMPClient(self.config)
+        return SyncMPClient(self.config, launch=launch)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate``, ``chat`` and ``stream`` use without SamplingParams: vLLM's

@@ -766,19 +766,42 @@ def test_an_engine_that_cannot_start_says_why():
 
 
 def test_llm_on_an_unreadable_model_raises_the_read_error(tmp_path):
-    """LLM reads the model's tokenizer while its engine starts; a file neither can read raises
-    the reader's own error (not only "engine failed to start"), and leaves no engine behind."""
+    """LLM starts its engine, then reads the model's tokenizer; a file it cannot read raises the
+    reader's own error and stops the engine at once; a missing path spawns nothing."""
+    import psutil
+
     from shm_engine import LLM
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file" * 100)
-    before = shm_entries()
-    with pytest.raises(ValueError, match="GGUF") as raised:
+    before, children = shm_entries(), set(psutil.Process().children())
+    with pytest.raises(ValueError, match="GGUF"):
         LLM(str(bad), dtype=DTYPE, num_kv_blocks=32)
-    assert isinstance(raised.value.__cause__, EngineDeadError)
-    assert shm_entries() <= before
-    with pytest.raises(FileNotFoundError, match="does not exist"):  # before any engine starts
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "missing.gguf"), dtype=DTYPE, num_kv_blocks=32)
+    assert set(psutil.Process().children()) <= children
+    assert shm_entries() <= before
+
+
+def test_an_engine_started_ahead_is_adopted_once_or_stopped():
+    """EngineLaunch: a client adopts the process (once); close() stops one nobody adopted and
+    leaves an adopted one alone."""
+    from shm_engine.engine.client import EngineLaunch
+
+    before = shm_entries()
+    unused = EngineLaunch()
+    unused.close()
+    assert unused.proc.poll() is not None
+    unused.close()  # again: nothing
+    with pytest.raises(RuntimeError, match="adopted or closed"):
+        SyncMPClient(config(num_kv_blocks=32), launch=unused)
+    launch = EngineLaunch(engine_index=3)
+    with SyncMPClient(config(num_kv_blocks=32), launch=launch) as client:
+        assert client.proc is launch.proc and client.engine_index == 3
+        launch.close()
+        assert client.call_utility("echo", 7) == 7
+    assert launch.proc.poll() is not None
+    assert shm_entries() <= before
 
 
 def test_engine_exits_when_its_client_is_killed():

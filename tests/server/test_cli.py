@@ -151,6 +151,42 @@ def test_chat_commands_and_system_prompt(monkeypatch, capsys) -> None:
 
 
 @pytest.mark.slow
+def test_chat_keeps_the_system_prompt_when_it_starts_over(monkeypatch, capsys) -> None:
+    # the 80-token context of test_chat_starts_over_...: the long message fits with the system
+    # prompt alone, not after the first turn
+    seen: list[list[str]] = []
+    turn = cli._chat_turn
+
+    def recording_turn(llm, messages, params):
+        seen.append([m["role"] for m in messages])
+        return turn(llm, messages, params)
+
+    monkeypatch.setattr(cli, "_chat_turn", recording_turn)
+    long_message = "Please tell me about " + "the sea and " * 14 + "the sky."
+    _inputs(monkeypatch, ["hi", long_message])
+    argv = ["chat", "--kv-cache-mib", "2", "--max-tokens", "6", "--system-prompt", "Be brief."]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "starting over" in err and "Traceback" not in err
+    assert seen[-1] == ["system", "user"]
+
+
+def test_chat_reports_a_template_that_refuses_a_system_prompt() -> None:
+    import jinja2
+
+    class Template:
+        def apply_chat_template(self, messages, **kw):
+            raise jinja2.TemplateError("System role not supported")
+
+    class Model:
+        def get_tokenizer(self):
+            return Template()
+
+    with pytest.raises(ValueError, match="--system-prompt: .* System role not supported"):
+        cli._check_system_prompt(Model(), [{"role": "system", "content": "Be brief."}])
+
+
+@pytest.mark.slow
 def test_serve_reports_an_engine_that_cannot_start_in_one_line() -> None:
     """A configuration only the engine can check (the KV cache cannot hold max_model_len) ends
     serve with its one line and exit 2, not uvicorn's lifespan tracebacks and exit 3."""

@@ -115,7 +115,9 @@ def serve_fake(
     app = api_server.build_app(EngineConfig(), chat_options=chat, api_key=api_key)
     engine.sent = []
 
-    async def create(config, served_model_name=None, data_parallel_size=1, model_info=None):
+    async def create(
+        config, served_model_name=None, data_parallel_size=1, model_info=None, launch=None
+    ):
         return engine
 
     async def recording(scope, receive, send):

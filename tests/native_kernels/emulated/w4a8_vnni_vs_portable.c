@@ -39,8 +39,9 @@ static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int a
     for (int p = 0; p < 2; p++) y[p] = malloc(m * n * sizeof(float));
     for (int64_t i = 0; i < nb * G * NIBBLE_GBYTES; i++) packed[i] = (uint8_t)rnd();
     for (int64_t i = 0; i < nb * G * NB; i++) {
-        scales[i] = (uint16_t)(0x2c00 + rnd() % 0x1000);
-        mins[i] = (uint16_t)((rnd() & 0x8000) | (0x2c00 + rnd() % 0x1000)); /* either sign */
+        /* either sign: W4 grids may be flipped (w4.c) */
+        scales[i] = (uint16_t)((rnd() & 0x8000) | (0x2c00 + rnd() % 0x1000));
+        mins[i] = (uint16_t)((rnd() & 0x8000) | (0x2c00 + rnd() % 0x1000));
     }
     for (int64_t i = 0; i < n; i++) b[i] = frand();
     fill_rows(x, m, k);
@@ -60,6 +61,6 @@ static int differs(int64_t n, int64_t k, int64_t m, int threads, int bias, int a
 }
 
 int main(void) {
-    const int64_t ms[] = {1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 70};
+    const int64_t ms[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 70}; /* slabs 1-8 */
     return run_cases(differs, ms, sizeof ms / sizeof ms[0]);
 }
