@@ -488,6 +488,10 @@ def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
         if proc is None and isinstance(e, ValueError):
             # A configuration it cannot start with (its clients get the message): one line.
             logger.error("engine %d: cannot start: %s", engine_index, e)
+        elif proc is None and isinstance(e, ConnectionError):
+            # NOTE: a frontend that started this process ahead (EngineLaunch) and exited before
+            # accepting it (a bad flag, Ctrl-C, a kill): nobody to tell, nothing to clean up.
+            logger.info("engine %d: its client went away before the handshake", engine_index)
         else:
             logger.exception("engine %d: fatal error", engine_index)
         if proc is not None:

@@ -833,6 +833,37 @@ def test_engine_exits_when_its_client_is_killed():
     assert shm_entries() <= before
 
 
+def test_an_engine_started_ahead_exits_quietly_when_its_frontend_dies_first():
+    """A frontend killed after EngineLaunch but before it accepted the engine (serve's imports,
+    say): the engine finds no one to connect to, exits without a traceback, leaves nothing."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    before = shm_entries()
+    code = (
+        "import time\n"
+        "from shm_engine.engine.client import EngineLaunch\n"
+        "launch = EngineLaunch()\n"
+        "print(launch.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        engine = psutil.Process(int(client.stdout.readline()))
+        client.kill()
+        client.wait()
+        engine.wait(timeout=60)  # psutil raises TimeoutExpired if the engine lingers
+        assert "Traceback" not in client.stderr.read()  # the engine shared the pipe
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert shm_entries() <= before
+
+
 def test_llm_takes_the_models_generation_config_defaults(tmp_path) -> None:
     """LLM.generate without SamplingParams samples as the model's generation_config.json says
     (vLLM's generation_config="auto"); given SamplingParams are used as they are."""
