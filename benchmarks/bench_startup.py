@@ -6,7 +6,10 @@ config and tokenizer, the engine process's spawn, imports, weight loading and pa
 allocation, handshake), the first `generate` of 8 tokens and `shutdown()`, and records the
 frontend's peak RSS. Medians over the runs, and every run, go to the report.
 
-    python -m benchmarks.bench_startup [--runs 5] [--json PATH]
+    python -m benchmarks.bench_startup [--runs 5] [--serve] [--json PATH]
+
+``--serve`` also times, in each run, a fresh ``shm-engine serve`` from its launch to the first
+``/health`` answering 200 (``serve_ready_s``; the server is stopped again).
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 
 from benchmarks.machine import cpu_model
 
@@ -62,6 +69,34 @@ def one_run(engine_args: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def serve_ready_s(engine_args: dict, timeout: float = 300.0) -> float:
+    """Launch to the first 200 from /health of a fresh ``shm-engine serve`` (stopped after)."""
+    with socket.socket() as sock:  # a free port (released again just before serve binds it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = [f"--weight-dtype={engine_args['weight_dtype']}"] if engine_args else []
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shm_engine.entrypoints.cli", "serve", "--port", str(port),
+         "--log-level", "warning", *flags],
+        cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if proc.poll() is not None or time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"serve did not come up: {proc.stderr.read()[-2000:]!r}")
+            time.sleep(0.02)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -69,13 +104,19 @@ def main() -> None:
     ap.add_argument(
         "--weight-dtype", default=None, choices=["auto", "int8", "int4"], help="LLM(weight_dtype=)"
     )
+    ap.add_argument("--serve", action="store_true", help="also time `shm-engine serve`")
     args = ap.parse_args()
     engine_args = {"weight_dtype": args.weight_dtype} if args.weight_dtype else {}
     print(f"# {cpu_model()}, {len(os.sched_getaffinity(0))} cores, {args.runs} runs")
     one_run(engine_args)  # the files into the page cache
-    runs = [one_run(engine_args) for _ in range(args.runs)]
-    medians = {k: statistics.median(r[k] for r in runs) for k in _KEYS}
-    for k in _KEYS:
+    runs = []
+    for _ in range(args.runs):
+        runs.append(one_run(engine_args))
+        if args.serve:  # alternated with LLM(): the machine's phases hit both alike
+            runs[-1]["serve_ready_s"] = serve_ready_s(engine_args)
+    keys = _KEYS + (("serve_ready_s",) if args.serve else ())
+    medians = {k: statistics.median(r[k] for r in runs) for k in keys}
+    for k in keys:
         unit = "MB" if k.endswith("_mb") else "s"
         every = " ".join(f"{r[k]:.2f}" for r in runs)
         print(f"{k:22s} median {medians[k]:7.2f} {unit}   runs: {every}")

@@ -50,15 +50,18 @@ def test_bench_model_json_keys(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_startup_json(tmp_path: Path) -> None:
-    """`bench_startup` times fresh starts of LLM() and finds the frontend free of torch."""
+    """`bench_startup` times fresh starts of LLM() and of `serve`, and finds the frontend free
+    of torch."""
     out = tmp_path / "startup.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_startup", "--runs", "1", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_startup", "--runs", "1", "--serve",
+           "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     assert len(r["runs"]) == 1 and r["runs"][0]["torch_in_frontend"] is False
     m = r["median"]
     assert 0 < m["llm_init_s"] < 120 and 0 < m["first_generate_s"] < 60
+    assert 0 < m["serve_ready_s"] < 120
     # the frontend holds a tokenizer and rings, not torch (~230 MB) or the weights
     assert 20 < m["frontend_peak_rss_mb"] < 250
 
