@@ -344,9 +344,12 @@ def serve_config(args):
 def cmd_serve(args) -> int:
     from shm_engine.engine.client import EngineLaunch
     from shm_engine.engine.dp_client import split_cores
+    from shm_engine.model.loader import resolve_model_path
 
     config = serve_config(args)
-    split_cores(args.data_parallel_size)  # too many replicas: before any process starts
+    # before any process starts: too many replicas, a missing model path (as LLM checks it)
+    split_cores(args.data_parallel_size)
+    resolve_model_path(config.model)
     # NOTE: one engine starts before the web stack is imported and the model's metadata read
     # (~1.5 s): its own imports run meanwhile on the other core, and the server is up that much
     # sooner.  Anything that fails before the server adopts it stops it again.

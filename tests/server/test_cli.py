@@ -82,6 +82,19 @@ def _inputs(monkeypatch, lines: list[str | type[BaseException]]) -> None:
     monkeypatch.setattr(builtins, "input", fake_input)
 
 
+def _record_turns(monkeypatch) -> list[list[tuple[str, str]]]:
+    """The (role, content) of the messages of every chat turn, as _chat_turn receives them."""
+    seen: list[list[tuple[str, str]]] = []
+    turn = cli._chat_turn
+
+    def recording_turn(llm, messages, params):
+        seen.append([(m["role"], m["content"]) for m in messages])
+        return turn(llm, messages, params)
+
+    monkeypatch.setattr(cli, "_chat_turn", recording_turn)
+    return seen
+
+
 @pytest.mark.slow
 def test_generate_reports_a_prompt_that_cannot_fit_and_runs_the_others(capsys) -> None:
     too_long = "hello " * 9000  # past the 8192-token context
@@ -112,19 +125,13 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_even_alone(
     monkeypatch, capsys
 ) -> None:
     # The refused message never joined the conversation: the earlier turns stay.
-    seen: list[list[str]] = []
-    turn = cli._chat_turn
-
-    def recording_turn(llm, messages, params):
-        seen.append([m["content"] for m in messages])
-        return turn(llm, messages, params)
-
-    monkeypatch.setattr(cli, "_chat_turn", recording_turn)
+    turns = _record_turns(monkeypatch)
     _inputs(monkeypatch, ["My name is Zorblax.", "word " * 200, "What is my name?"])
     assert cli.main(["chat", "--kv-cache-mib", "2", "--max-tokens", "4"]) == 0
     out, err = capsys.readouterr()
     assert "starting over" not in err and "Traceback" not in err
     assert "this message takes" in err and "context length is 80" in err
+    seen = [[content for _, content in turn] for turn in turns]
     assert seen[-1][0] == "My name is Zorblax." and seen[-1][-1] == "What is my name?"
 
 
@@ -132,14 +139,7 @@ def test_chat_keeps_the_conversation_when_a_message_cannot_fit_even_alone(
 def test_chat_commands_and_system_prompt(monkeypatch, capsys) -> None:
     # /help and /reset answer on stderr and reach no model; /reset keeps the system prompt and
     # forgets the rest; /quit leaves with 0 before the lines after it are read.
-    seen: list[list[tuple[str, str]]] = []
-    turn = cli._chat_turn
-
-    def recording_turn(llm, messages, params):
-        seen.append([(m["role"], m["content"]) for m in messages])
-        return turn(llm, messages, params)
-
-    monkeypatch.setattr(cli, "_chat_turn", recording_turn)
+    seen = _record_turns(monkeypatch)
     _inputs(monkeypatch, ["/help", "My name is Zorblax.", " /reset ", "Hi.", "/quit", "Never."])
     argv = ["chat", "--kv-cache-mib", "8", "--max-tokens", "3", "--system-prompt", "Be brief."]
     assert cli.main(argv) == 0
@@ -154,21 +154,14 @@ def test_chat_commands_and_system_prompt(monkeypatch, capsys) -> None:
 def test_chat_keeps_the_system_prompt_when_it_starts_over(monkeypatch, capsys) -> None:
     # the 80-token context of test_chat_starts_over_...: the long message fits with the system
     # prompt alone, not after the first turn
-    seen: list[list[str]] = []
-    turn = cli._chat_turn
-
-    def recording_turn(llm, messages, params):
-        seen.append([m["role"] for m in messages])
-        return turn(llm, messages, params)
-
-    monkeypatch.setattr(cli, "_chat_turn", recording_turn)
+    turns = _record_turns(monkeypatch)
     long_message = "Please tell me about " + "the sea and " * 14 + "the sky."
     _inputs(monkeypatch, ["hi", long_message])
     argv = ["chat", "--kv-cache-mib", "2", "--max-tokens", "6", "--system-prompt", "Be brief."]
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert "starting over" in err and "Traceback" not in err
-    assert seen[-1] == ["system", "user"]
+    assert [role for role, _ in turns[-1]] == ["system", "user"]
 
 
 def test_chat_reports_a_template_that_refuses_a_system_prompt() -> None:
