@@ -3,8 +3,9 @@
 - GEMM GOP/s for the model's shapes at M = 1, 8, 32, 256 (ours, torch fp32, torch dynamic int8);
 - prefill tokens/s of a 512-token prompt;
 - decode tokens/s at batch 1, 8, 16, 32 with 128 tokens of context (batch over the median step);
-  also for the opt-in int8 activations where they run (`a8_` keys): on kernel path "vnni"
-  (W8, smoothed weights), or on the 4-bit layers elsewhere (W4 x A8);
+  also for the opt-in int8 activations on kernel path "vnni" (`a8_` keys: W8, smoothed
+  weights); where the model's 4-bit layers run on 8-bit activations (W4 x A8, the default
+  ``--activation-dtype auto``), also for them on int16 ones (`a16_` keys, exact W4);
   where ``--weight-dtype auto`` (the engine's default) packs layers in 4 bits, also for the
   all-int8 model (`w8_` keys); where it packs W8 on a file's 4-bit layers (paths vnni and amx,
   whose W4 kernels are not timed yet), also for W4 on int16 and on 8-bit activations (`w4_`,
@@ -12,7 +13,7 @@
 - peak RSS of a fresh process that loads the model as measured (KV cache excluded).
 
     python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
-        [--activation-dtype int8] [--weight-dtype auto|int8|int4] [--gemm-ms 300]
+        [--activation-dtype auto|int16|int8] [--weight-dtype auto|int8|int4] [--gemm-ms 300]
         [--model PATH] [--skip-gemm]
 
 ``--model`` measures another model (a GGUF file or HF directory; e.g. one of
@@ -114,10 +115,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--activation-dtype",
-        default="int16",
-        choices=["int16", "int8"],
-        help="the int8 model's activations in its layers (int8: on AVX512-VNNI, or on 4-bit "
-        "layers; measured beside int16 where it runs)",
+        default="auto",
+        choices=["auto", "int16", "int8"],
+        help="the int8 model's activations in its layers, as the engine's option (auto: 8-bit on "
+        "4-bit layers; int8: also on int8 layers, path vnni; the other measured beside it)",
     )
     ap.add_argument(
         "--gemm-ms", type=float, default=300.0, help="GEMM table: timing budget a point, ms"
@@ -181,21 +182,22 @@ def main() -> int:
     # 4-bit layers beside the all-int8 model, in the same run
     if any(models["int8"].w4_linears) and args.weight_dtype != "int4":
         models["w8"] = int8_model(args.activation_dtype, "int8")
-    # the opt-in 8-bit activations side by side, where the kernel path runs them
-    if args.activation_dtype == "int16" and machine["kernel_path"] == "vnni":
+    # the other activation formats side by side: the opt-in W8 x A8 where the kernel path runs
+    # it, and the exact W4 x A16 where the model's 4-bit layers take 8-bit activations
+    if args.activation_dtype != "int8" and machine["kernel_path"] == "vnni":
         models["a8"] = int8_model("int8", "int8")
-    elif args.activation_dtype == "int16" and any(models["int8"].w4_linears):
-        models["a8"] = int8_model("int8", args.weight_dtype)  # W4 x A8 (gemm_w4a8.c)
+    if args.activation_dtype != "int16" and any(models["int8"].w4_linears):
+        models["a16"] = int8_model("int16", args.weight_dtype)
     # NOTE: where `auto` packs W8 for want of a timing (path vnni: W4 on the VNNI tiles and
     # W4 x A8 on vpdpbusd, new and not timed there yet), both 4-bit forms beside it (w4_, w4a8_)
     if (
         args.weight_dtype == "auto"
-        and args.activation_dtype == "int16"
+        and args.activation_dtype != "int8"
         and machine["kernel_path"] in ("vnni", "amx")
         and any(loaded.weights.stored_in_4bit_groups(n) for n in loaded.weights)
     ):
         models["w4"] = int8_model("int16", "int4")
-        models["w4a8"] = int8_model("int8", "int4")
+        models["w4a8"] = int8_model("auto", "int4")
     if not args.skip_fp32:
         models["fp32"] = TorchLlama(loaded.config, loaded.weights)
     threads = torch.get_num_threads()
@@ -208,8 +210,10 @@ def main() -> int:
         results[f"{key}prefill_tok_s"] = prefill
         results[f"{key}decode_tok_s"] = decode
         line = "  ".join(f"b{b} {v:7.1f}" for b, v in decode.items())
-        # the engine's model (key "int8") is labelled by its layers' weights
-        label = "w4" if name == "int8" and any(getattr(model, "w4_linears", ())) else name
+        # the engine's model (key "int8") is labelled by its layers' weights and activations
+        label = name
+        if name == "int8" and any(model.w4_linears):
+            label = "w4a8" if model.act8_linears else "w4"
         print(f"{label:5s} prefill(512) {prefill:8.1f} tok/s   decode tok/s: {line}")
     results["bench_process_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:

@@ -34,10 +34,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "int8"  # "int8" (VNNI kernels) or "float32" (torch reference path)
     # "auto" (the model's: fp16 for int8, fp32 for float32), "fp16" or "int8" (int8 weights only)
     kv_cache_dtype: str = "auto"
-    # the int8 model's activations in its layers: "int16", or "int8" (faster prefill and batched
-    # decode on kernel path "vnni", i.e. AVX512-VNNI without AMX; int16 on the other paths; less
-    # accurate: docs/kernels.md, "8-bit activations")
-    activation_dtype: str = "int16"
+    # the int8 model's activations in its layers: "auto" (8 bits on 4-bit layers' o, gate_up and
+    # down, as llama.cpp does for its 4-bit weights; int16 elsewhere), "int16" (exact on 4-bit
+    # layers), or "int8" (also 8 bits on int8 layers, on kernel path "vnni", i.e. AVX512-VNNI
+    # without AMX; accuracy: docs/kernels.md, "8-bit activations")
+    activation_dtype: str = "auto"
     # the int8 model's layer weights: "int8", "int4" (4-bit groups of 32, affine: ~0.6 of the
     # bytes a decode step streams) or "auto": int4 for the matrices a GGUF file holds as Q4_0 /
     # Q4_1 / Q4_K (their own grids), where the kernel path has no AVX512-VNNI (docs/kernels.md)
@@ -80,11 +81,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.dtype == "float32" and self.kv_cache_dtype != "auto":
             raise ValueError("the float32 reference path keeps an fp32 KV cache")
-        if self.activation_dtype not in ("int16", "int8"):
+        if self.activation_dtype not in ("auto", "int16", "int8"):
             raise ValueError(
-                f"activation_dtype must be 'int16' or 'int8', got {self.activation_dtype!r}"
+                f"activation_dtype must be 'auto', 'int16' or 'int8', got {self.activation_dtype!r}"
             )
-        if self.dtype == "float32" and self.activation_dtype != "int16":
+        if self.dtype == "float32" and self.activation_dtype == "int8":
             raise ValueError("activation_dtype applies to the int8 model only")
         if self.weight_dtype not in ("auto", "int8", "int4"):
             raise ValueError(

@@ -30,10 +30,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--activation-dtype",
-        default="int16",
-        choices=["int16", "int8"],
-        help="the layers' activations (int8: faster, less exact; on kernel path vnni, or on "
-        "4-bit layers)",
+        default="auto",
+        choices=["auto", "int16", "int8"],
+        help="the layers' activations (auto: 8-bit on 4-bit layers, as llama.cpp; int16: exact "
+        "on 4-bit layers; int8: also on int8 layers, on kernel path vnni)",
     )
     p.add_argument(
         "--weight-dtype",

@@ -55,10 +55,11 @@ def calibration_ids(tokenizer) -> list[int] | None:  # noqa: ANN001 - a model To
 
 
 # The activation formats of the layers' linear calls (Int8Llama's activation_dtype)
-ACTIVATION_DTYPES = ("int16", "int8")
+ACTIVATION_DTYPES = ("auto", "int16", "int8")
 # The layers' weight formats (Int8Llama's weight_dtype); the vocabulary matrices stay int8
 WEIGHT_DTYPES = ("int8", "int4", "auto")
-# NOTE: the W4 linears that activation_dtype="int8" runs on 8-bit activations (gemm_w4a8.c).
+# NOTE: the W4 linears that activation_dtype "int8" or "auto" runs on 8-bit activations
+# (gemm_w4a8.c).
 # qkv keeps int16: on SmolLM2 (simulated over four texts) 8 bits per 16 k on o, gate_up and down
 # cost KL 0.00076 to fp32 and top-1 98.9 %, on all four 0.00126 and 97.3 %.
 W4_ACT8_LINEARS = frozenset({"o", "gate_up", "down"})
@@ -85,7 +86,7 @@ class Int8Llama:
         weights: Mapping[str, torch.Tensor],
         num_threads: int = 0,
         kv_cache_dtype: str = "fp16",
-        activation_dtype: str = "int16",
+        activation_dtype: str = "auto",
         calibration_ids: Sequence[int] | None = None,
         weight_dtype: str = "int8",
     ) -> None:
@@ -95,7 +96,10 @@ class Int8Llama:
         are. ``activation_dtype``: "int8" runs the layers on 8-bit activations where a kernel
         has them: the o, gate_up and down matrices packed in 4 bits, on every path
         (gemm_w4a8.c; W4_ACT8_LINEARS), and on kernel path "vnni" every int8 layer weight
-        (rotated, gemm_a8.c); the others keep int16. ``weight_dtype``: the
+        (rotated, gemm_a8.c); the others keep int16. "auto" (the default) takes 8 bits on
+        those 4-bit matrices only, as llama.cpp quantises activations for its 4-bit weights
+        (a scale per 16 k here, per 32 in its Q8 blocks); "int16" everywhere is exact on
+        4-bit layers. ``weight_dtype``: the
         layers' weights in "int8" or "int4" (matrices a GGUF file holds as Q4_0 / Q4_1 / Q4_K
         packed from their grids, exact but for Q4_K's scales rounded to fp16; others fitted
         by ``PackedLinear.from_float(w4=True)``), or "auto": int4 for the matrices the file
@@ -130,7 +134,7 @@ class Int8Llama:
         self.activation_dtype = activation_dtype
         # W8 weights on 8-bit activations (rotated): path vnni; W4 ones: every path
         self._act8 = activation_dtype == "int8" and kernels.get_path() == "vnni"
-        self._w4_act8 = activation_dtype == "int8"
+        self._w4_act8 = activation_dtype != "int16"
         check_kv_dtype(self.kv_dtype, config.head_dim)
         if num_threads:
             kernels.set_num_threads(num_threads)
@@ -141,7 +145,7 @@ class Int8Llama:
         # the 4-bit linears of each layer, decided before packing (the arena's size)
         self.w4_linears = [self._w4_linears(weights, i) for i in range(c.num_layers)]
         if (
-            self._w4_act8
+            activation_dtype == "int8"
             and not self._act8
             and not any(s & W4_ACT8_LINEARS for s in self.w4_linears)
         ):
@@ -337,10 +341,22 @@ class Int8Llama:
 
     @property
     def weight_summary(self) -> str:
-        """What the engine logs of the packed weights: size and the 4-bit share."""
+        """What the engine logs of the packed weights: size, the 4-bit share and the matrices
+        that run on 8-bit activations."""
         w4 = sum(len(s) for s in self.w4_linears)
         total = len(LINEAR_SOURCES) * len(self.w4_linears)
-        return f"{self.nbytes / 2**20:.0f} MiB packed, {w4} of {total} layer matrices int4"
+        return (
+            f"{self.nbytes / 2**20:.0f} MiB packed, {w4} of {total} layer matrices int4, "
+            f"{self.act8_linears} on 8-bit activations"
+        )
+
+    @property
+    def act8_linears(self) -> int:
+        """How many layer matrices run on 8-bit activations (the others on int16)."""
+        return sum(
+            len(s & W4_ACT8_LINEARS) * self._w4_act8 + (len(LINEAR_SOURCES) - len(s)) * self._act8
+            for s in self.w4_linears
+        )
 
     # ------------------------------------------------------------------ forward
 

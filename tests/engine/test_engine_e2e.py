@@ -91,12 +91,13 @@ def test_handshake_reports_the_cache(client):
     assert client.ready.vocab_size == 49152
     assert client.ready.eos_token_ids
     # what the engine packed, for the server's start-up log ("auto": SmolLM2's Q4_1 layers stay
-    # 4-bit on kernel paths without VNNI)
+    # 4-bit on kernel paths without VNNI, their o, gate_up and down on 8-bit activations)
     if DTYPE == "int8":
         from shm_engine.model import kernels
 
         int4 = 0 if kernels.get_path() in ("vnni", "amx") else 120
-        assert f"{int4} of 120 layer matrices int4" in client.ready.weights
+        act8 = int4 * 3 // 4
+        assert f"{int4} of 120 layer matrices int4, {act8} on 8-bit" in client.ready.weights
 
 
 def test_64_concurrent_streams_all_finish(client, tokenizer):
@@ -618,6 +619,7 @@ def test_int8_activations_serve():
         EngineConfig(activation_dtype="fp8")
     with pytest.raises(ValueError, match="int8 model only"):
         EngineConfig(dtype="float32", activation_dtype="int8")
+    EngineConfig(dtype="float32")  # the default "auto" is no request of 8 bits
 
 
 def test_data_parallel_replicas_share_the_work():

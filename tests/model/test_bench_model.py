@@ -40,12 +40,15 @@ def test_bench_model_json_keys(tmp_path: Path) -> None:
     w4 = r["machine"]["kernel_path"] in {"avx2", "portable"}
     assert r["weight_dtype"] == "auto" and ("120 of 120 layer matrices int4" in r["weights"]) == w4
     assert ("w8_prefill_tok_s" in r) == w4
-    # the opt-in int8 activations side by side where a kernel runs them: W8 x A8 on path
-    # vnni, W4 x A8 where the layers are W4
-    if r["machine"]["kernel_path"] == "vnni" or w4:
-        assert r["a8_prefill_tok_s"] > 0 and set(r["a8_decode_tok_s"]) == {"1", "8", "16", "32"}
-    else:
-        assert "a8_prefill_tok_s" not in r
+    # the other activation formats side by side: the opt-in W8 x A8 on path vnni, and the
+    # exact W4 x A16 where the default runs the 4-bit layers on 8-bit activations
+    assert r["activation_dtype"] == "auto"
+    for key, runs in (("a8", r["machine"]["kernel_path"] == "vnni"), ("a16", w4)):
+        if runs:
+            assert r[f"{key}_prefill_tok_s"] > 0
+            assert set(r[f"{key}_decode_tok_s"]) == {"1", "8", "16", "32"}
+        else:
+            assert f"{key}_prefill_tok_s" not in r
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ def test_int4_layers_match_reference_on_mixed_paged_batches():
         if name.endswith("proj.weight"):
             weights[name] = kernels.PackedLinear.from_float(w, w4=True).dequantized()
     ref = ReferenceModel(config, weights)
-    int4 = Int8Llama(config, weights, weight_dtype="int4")
+    int4 = Int8Llama(config, weights, weight_dtype="int4", activation_dtype="int16")
     assert all(lin.w4 for lin in (int4.layers[0].qkv, int4.layers[2].down))
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 70)]
@@ -110,14 +110,14 @@ def test_int4_layers_match_reference_on_mixed_paged_batches():
 
 
 def test_int4_layers_on_8bit_activations_match_reference():
-    """W4 x A8 (activation_dtype="int8" on 4-bit layers): the layers' error is their 8-bit
-    activations', as for int8 weights; qkv keeps int16 activations."""
+    """W4 x A8 (activation_dtype "auto", the default, or "int8" on 4-bit layers): the layers'
+    error is their 8-bit activations', as for int8 weights; qkv keeps int16 activations."""
     config, weights = random_model(architecture="qwen2", attention_bias=True)
     for name, w in weights.items():
         if name.endswith("proj.weight"):
             weights[name] = kernels.PackedLinear.from_float(w, w4=True).dequantized()
     ref = ReferenceModel(config, weights)
-    model = Int8Llama(config, weights, weight_dtype="int4", activation_dtype="int8")
+    model = Int8Llama(config, weights, weight_dtype="int4")
     assert model.layers[0].down.act8 and not model.layers[0].qkv.act8
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 70)]
@@ -246,14 +246,16 @@ def smollm_int8_kv(smollm):
 
 @pytest.fixture(scope="module")
 def smollm_int4(smollm):
-    """SmolLM2's layers in 4 bits: the file holds them as Q4_1, which W4 packs back exactly."""
-    return Int8Llama(smollm.config, smollm.weights, weight_dtype="int4")
+    """SmolLM2's layers in 4 bits: the file holds them as Q4_1, which W4 packs back exactly;
+    on int16 activations, exact."""
+    return Int8Llama(smollm.config, smollm.weights, weight_dtype="int4", activation_dtype="int16")
 
 
 @pytest.fixture(scope="module")
 def smollm_int4_a8(smollm):
-    """SmolLM2's 4-bit layers with o, gate_up and down on 8-bit activations (gemm_w4a8.c)."""
-    return Int8Llama(smollm.config, smollm.weights, weight_dtype="int4", activation_dtype="int8")
+    """SmolLM2's 4-bit layers with o, gate_up and down on 8-bit activations (gemm_w4a8.c): the
+    engine's default off path vnni (activation_dtype "auto")."""
+    return Int8Llama(smollm.config, smollm.weights, weight_dtype="int4")
 
 
 @pytest.mark.slow
@@ -375,7 +377,11 @@ def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
         auto = Int8Llama(config, src, weight_dtype="auto")
         assert all(s == {"gate_up", "down"} for s in auto.w4_linears)
         assert auto.layers[0].gate_up.w4 and not auto.layers[0].qkv.w4
-        assert "6 of 12 layer matrices int4" in auto.weight_summary
+        # activations "auto": 8 bits on the 4-bit gate_up and down, int16 on the int8 qkv and o
+        assert "6 of 12 layer matrices int4, 6 on 8-bit activations" in auto.weight_summary
+        assert auto.layers[2].down.act8 and not auto.layers[2].o.act8
+        a16 = Int8Llama(config, src, weight_dtype="auto", activation_dtype="int16")
+        assert a16.act8_linears == 0 and not a16.layers[2].down.act8
         assert not any(Int8Llama(config, weights, weight_dtype="auto").w4_linears)
         # "int4" packs a matrix mixing grid and float parts from the grids it has: q's rows are
         # its grid's values exactly; k and v are fitted
@@ -393,10 +399,13 @@ def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
         assert int4.layers[0].o.act8 and int4.layers[0].qkv.w4 and not int4.layers[0].qkv.act8
     for path in ("vnni", "amx"):
         monkeypatch.setattr(kernels, "get_path", lambda p=path: p)
-        assert not any(Int8Llama(config, src, weight_dtype="auto").w4_linears)
+        # W8 layers there, and "auto" activations keep int16 on them
+        w8 = Int8Llama(config, src, weight_dtype="auto")
+        assert not any(w8.w4_linears) and w8.act8_linears == 0
         # forced 4-bit layers take 8-bit activations there too (gemm_w4a8.c runs on any path)
-        a8 = Int8Llama(config, src, weight_dtype="int4", activation_dtype="int8")
-        assert a8.layers[0].down.w4 and a8.layers[0].down.act8 and not a8.layers[0].qkv.act8
+        for act in ("int8", "auto"):
+            a8 = Int8Llama(config, src, weight_dtype="int4", activation_dtype=act)
+            assert a8.layers[0].down.w4 and a8.layers[0].down.act8 and not a8.layers[0].qkv.act8
     with pytest.raises(ValueError, match="weight_dtype"):
         Int8Llama(config, weights, weight_dtype="int2")
     with pytest.raises(ValueError, match="cannot be smoothed"):

@@ -191,7 +191,7 @@ def test_serve_flags_reach_the_engine_config() -> None:
     assert default.max_num_batched_tokens == engine.max_num_batched_tokens
     assert default.long_prefill_token_threshold == engine.long_prefill_token_threshold
     assert default.max_num_seqs == engine.max_num_seqs
-    assert default.activation_dtype == engine.activation_dtype == "int16"
+    assert default.activation_dtype == engine.activation_dtype == "auto"
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         serve_config(build_parser().parse_args(["serve", "--long-prefill-token-threshold", "-1"]))
 
