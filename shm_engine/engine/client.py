@@ -162,6 +162,24 @@ class EngineLaunch:
         self.listener.close()
 
 
+def launch_engines(count: int) -> list[EngineLaunch]:
+    """``count`` engine processes started ahead (replica indices 0..count-1); all or none."""
+    launches: list[EngineLaunch] = []
+    try:
+        for i in range(count):
+            launches.append(EngineLaunch(i))
+    except BaseException:
+        close_launches(launches)
+        raise
+    return launches
+
+
+def close_launches(launches: list[EngineLaunch] | None) -> None:
+    """Stop the launched engines no client adopted (adopted ones stop with their client)."""
+    for launch in launches or ():
+        launch.close()
+
+
 def _stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()

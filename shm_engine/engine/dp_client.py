@@ -25,7 +25,13 @@ from typing import Any
 
 import msgspec
 
-from shm_engine.engine.client import AsyncMPClient, EngineDeadError, SyncMPClient, _typed
+from shm_engine.engine.client import (
+    AsyncMPClient,
+    EngineDeadError,
+    EngineLaunch,
+    SyncMPClient,
+    _typed,
+)
 from shm_engine.engine.config import EngineConfig
 from shm_engine.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -189,13 +195,26 @@ class _Replicas:
             e.shutdown()
 
 
+def _launch(launches: list[EngineLaunch] | None, index: int) -> EngineLaunch | None:
+    """Replica ``index``'s engine process, if the caller started them ahead (launch_engines)."""
+    return launches[index] if launches else None
+
+
 class DPClient(_Replicas):
-    def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        data_parallel_size: int,
+        launches: list[EngineLaunch] | None = None,
+    ) -> None:
+        """``launches``: the replicas' engine processes, if the caller started them ahead."""
         self.outputs: queue.Queue = queue.Queue()
         super().__init__(
             start_replicas(
                 replica_configs(config, data_parallel_size),
-                lambda cfg, i: SyncMPClient(cfg, engine_index=i, outputs=self.outputs),
+                lambda cfg, i: SyncMPClient(
+                    cfg, engine_index=i, outputs=self.outputs, launch=_launch(launches, i)
+                ),
             )
         )
 
@@ -229,13 +248,20 @@ class AsyncDPClient(_Replicas):
     piggybacked scheduler stats update that replica's share of the merged stats.
     """
 
-    def __init__(self, config: EngineConfig, data_parallel_size: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        data_parallel_size: int,
+        launches: list[EngineLaunch] | None = None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         # Blocks the loop while the replicas load: fine at startup, nothing is served yet.
         super().__init__(
             start_replicas(
                 replica_configs(config, data_parallel_size),
-                lambda cfg, i: AsyncMPClient(cfg, engine_index=i, loop=loop),
+                lambda cfg, i: AsyncMPClient(
+                    cfg, engine_index=i, loop=loop, launch=_launch(launches, i)
+                ),
             )
         )
         self.stats = [SchedulerStats() for _ in self.engines]

@@ -52,10 +52,10 @@ def build_app(
     model_info: ModelInfo | None = None,
     chat_options: ChatOptions | None = None,
     api_key: str | None = None,
-    launch: EngineLaunch | None = None,
+    launches: list[EngineLaunch] | None = None,
 ) -> HotRoutes:
-    """The ASGI app; the engine starts in its lifespan and stops with it (``launch``: its
-    process, started ahead by the caller).
+    """The ASGI app; the engine starts in its lifespan and stops with it (``launches``: its
+    processes, one a replica, started ahead by the caller).
 
     Lifespan startup runs before uvicorn binds, so the port opens once the model is loaded.
 
@@ -67,7 +67,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         try:
             engine = await AsyncLLM.create(
-                config, served_model_name, data_parallel_size, model_info, launch
+                config, served_model_name, data_parallel_size, model_info, launches
             )
         except EngineDeadError as e:
             app.state.start_failure = str(e)  # serve() reports it in one line
@@ -205,19 +205,20 @@ def serve(
     model_info: ModelInfo | None = None,
     chat_options: ChatOptions | None = None,
     api_key: str | None = None,
-    launch: EngineLaunch | None = None,
+    launches: list[EngineLaunch] | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM; the lifespan then stops the engine and frees its shared memory.
 
     ``api_key``: /v1 requests must carry ``Authorization: Bearer <api_key>`` (api_key.py).
-    ``launch``: the engine process, if the caller started it ahead (``EngineLaunch``)."""
+    ``launches``: the engine processes, one a replica, if the caller started them ahead
+    (``launch_engines``)."""
     if not 0 <= port <= 65535:
         # NOTE: uvicorn's bind raises OverflowError for it after the lifespan started the
         # engine, and the process then never exited.
         raise ValueError(f"port must be in 0..65535, got {port}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = build_app(
-        config, served_model_name, data_parallel_size, model_info, chat_options, api_key, launch
+        config, served_model_name, data_parallel_size, model_info, chat_options, api_key, launches
     )
     if api_key is not None:
         logging.getLogger(__name__).info("/v1 requests need the API key (Authorization: Bearer)")

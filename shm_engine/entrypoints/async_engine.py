@@ -176,19 +176,19 @@ class AsyncLLM:
         model_name: str | None = None,
         data_parallel_size: int = 1,
         model_info: ModelInfo | None = None,
-        launch: EngineLaunch | None = None,
+        launches: list[EngineLaunch] | None = None,
     ) -> AsyncLLM:
         """``model_info``: the model's config and tokenizer, if the caller has read them;
-        ``launch``: the engine process, if the caller started it ahead (one replica only)."""
+        ``launches``: the engine processes (one a replica), if the caller started them ahead."""
         from shm_engine.model.loader import load_model_info
 
         # NOTE: only the config and tokenizer are read in this process (no torch, no weights).
         info = model_info or load_model_info(config.model)
         # Blocks the loop while the engine loads the model: fine at startup, nothing is served yet.
         if data_parallel_size > 1:
-            client = AsyncDPClient(config, data_parallel_size)
+            client = AsyncDPClient(config, data_parallel_size, launches)
         else:
-            client = AsyncMPClient(config, launch=launch)
+            client = AsyncMPClient(config, launch=launches[0] if launches else None)
         name = model_name or client.ready.model_name
         priority = config.scheduling_policy == "priority"
         return cls(client, info.tokenizer, name, info.sampling_defaults, priority)

@@ -342,7 +342,7 @@ def serve_config(args):
 
 
 def cmd_serve(args) -> int:
-    from shm_engine.engine.client import EngineLaunch
+    from shm_engine.engine.client import close_launches, launch_engines
     from shm_engine.engine.dp_client import split_cores
     from shm_engine.model.loader import resolve_model_path
 
@@ -350,10 +350,10 @@ def cmd_serve(args) -> int:
     # before any process starts: too many replicas, a missing model path (as LLM checks it)
     split_cores(args.data_parallel_size)
     resolve_model_path(config.model)
-    # NOTE: one engine starts before the web stack is imported and the model's metadata read
-    # (~1.5 s): its own imports run meanwhile on the other core, and the server is up that much
-    # sooner.  Anything that fails before the server adopts it stops it again.
-    launch = EngineLaunch() if args.data_parallel_size == 1 else None
+    # NOTE: the engines (one a replica) start before the web stack is imported and the model's
+    # metadata read (~1.5 s): their own imports run meanwhile on the other core, and the server
+    # is up that much sooner.  Anything that fails before the server adopts them stops them.
+    launches = launch_engines(args.data_parallel_size)
     try:
         from shm_engine.engine.config import check_max_model_len
         from shm_engine.entrypoints.api_server import serve
@@ -377,11 +377,10 @@ def cmd_serve(args) -> int:
             chat_options=chat,
             # NOTE: an explicit --api-key "" is checked (an error); an empty variable is unset
             api_key=args.api_key if args.api_key is not None else api_key_from_env(),
-            launch=launch,
+            launches=launches,
         )
     finally:
-        if launch is not None:
-            launch.close()  # nothing, once the server adopted it
+        close_launches(launches)  # nothing, once the server adopted them
     return 0
 
 

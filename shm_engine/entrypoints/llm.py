@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shm_engine.engine.client import EngineDeadError, EngineLaunch, InprocClient, SyncMPClient
+from shm_engine.engine.client import (
+    EngineDeadError,
+    EngineLaunch,
+    InprocClient,
+    SyncMPClient,
+    close_launches,
+    launch_engines,
+)
 from shm_engine.engine.config import EngineConfig, speculative_args
 from shm_engine.engine.output_processor import OutputProcessor, RequestOutput
 from shm_engine.engine.protocol import EngineCoreRequest
@@ -59,16 +66,19 @@ class LLM:
         engine_args.update(speculative_args(speculative_config))
         self.config = EngineConfig(model=model, **engine_args)
         resolve_model_path(model)  # a missing model fails here, before an engine is spawned
-        # NOTE: the engine process starts first; this one reads only the config and tokenizer
+        if data_parallel_size > 1 and not in_process:
+            from shm_engine.engine.dp_client import split_cores
+
+            split_cores(data_parallel_size)  # too many replicas: before any is spawned
+        # NOTE: the engine processes (one a replica) start first; this one reads only the config and tokenizer
         # (no torch, no weights: ~0.45 s of the GGUF's vocabulary) while the engine imports
         # its own, and a model it cannot read stops the engine at once.
-        launch = EngineLaunch() if not in_process and data_parallel_size == 1 else None
+        launches = None if in_process else launch_engines(data_parallel_size)
         try:
             info = load_model_info(model)
-            self.client = self._start_client(in_process, data_parallel_size, launch)
+            self.client = self._start_client(in_process, data_parallel_size, launches)
         except BaseException:
-            if launch is not None:
-                launch.close()  # nothing, once a client adopted it (it stops its engine itself)
+            close_launches(launches)  # those no client adopted (the others stop with it)
             raise
         # NOTE: an LLM dropped without shutdown() stops its engine when it is collected (or at
         # exit); the client cannot do this itself, since its receiver thread keeps it reachable.
@@ -83,15 +93,15 @@ class LLM:
         self._latest: dict[str, RequestOutput] = {}
 
     def _start_client(
-        self, in_process: bool, data_parallel_size: int, launch: EngineLaunch | None
+        self, in_process: bool, data_parallel_size: int, launches: list[EngineLaunch] | None
     ) -> EngineClient:
         if in_process:
             return InprocClient(self.config)
         if data_parallel_size > 1:
             from shm_engine.engine.dp_client import DPClient
 
-            return DPClient(self.config, data_parallel_size)
-        return SyncMPClient(self.config, launch=launch)
+            return DPClient(self.config, data_parallel_size, launches)
+        return SyncMPClient(self.config, launch=launches[0] if launches else None)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate``, ``chat`` and ``stream`` use without SamplingParams: vLLM's

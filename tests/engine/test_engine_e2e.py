@@ -635,6 +635,7 @@ def test_data_parallel_replicas_share_the_work():
         stats = [e.call_utility("get_stats") for e in llm.client.engines]
         merged = llm.get_stats()  # one engine's stats, as without replicas
         affinities = [psutil.Process(e.proc.pid).cpu_affinity() for e in llm.client.engines]
+        assert [e.engine_index for e in llm.client.engines] == [0, 1]
         # An id reused after an abort: the first request's late output is neither taken for
         # the second's nor releases it, so aborting the second still reaches its replica.
         c = llm.client
@@ -781,14 +782,23 @@ def test_llm_on_an_unreadable_model_raises_the_read_error(tmp_path):
         LLM(str(bad), dtype=DTYPE, num_kv_blocks=32)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "missing.gguf"), dtype=DTYPE, num_kv_blocks=32)
+    # more replicas than cores: refused before any engine starts
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="replicas need"):
+        LLM(dtype=DTYPE, num_kv_blocks=32, data_parallel_size=cores + 1)
     assert set(psutil.Process().children()) <= children
     assert shm_entries() <= before
 
 
 def test_an_engine_started_ahead_is_adopted_once_or_stopped():
     """EngineLaunch: a client adopts the process (once); close() stops one nobody adopted and
-    leaves an adopted one alone."""
-    from shm_engine.engine.client import EngineLaunch
+    leaves an adopted one alone; launch_engines starts one a replica, close_launches stops them."""
+    from shm_engine.engine.client import EngineLaunch, close_launches, launch_engines
+
+    replicas = launch_engines(2)
+    assert [x.engine_index for x in replicas] == [0, 1]
+    close_launches(replicas)
+    assert all(x.proc.poll() is not None for x in replicas)
 
     before = shm_entries()
     unused = EngineLaunch()

@@ -116,7 +116,7 @@ def serve_fake(
     engine.sent = []
 
     async def create(
-        config, served_model_name=None, data_parallel_size=1, model_info=None, launch=None
+        config, served_model_name=None, data_parallel_size=1, model_info=None, launches=None
     ):
         return engine
 
