@@ -70,9 +70,9 @@ class LLM:
             from shm_engine.engine.dp_client import split_cores
 
             split_cores(data_parallel_size)  # too many replicas: before any is spawned
-        # NOTE: the engine processes (one a replica) start first; this one reads only the config and tokenizer
-        # (no torch, no weights: ~0.45 s of the GGUF's vocabulary) while the engine imports
-        # its own, and a model it cannot read stops the engine at once.
+        # NOTE: the engine processes (one a replica) start first; this one reads only the
+        # config and tokenizer (no torch, no weights: ~0.45 s of the GGUF's vocabulary) while
+        # the engines import their own, and a model it cannot read stops them at once.
         launches = None if in_process else launch_engines(data_parallel_size)
         try:
             info = load_model_info(model)
