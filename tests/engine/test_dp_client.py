@@ -15,7 +15,8 @@ from shm_engine.sampling_params import SamplingParams
 class Replica:
     """What DPClient uses of a SyncMPClient; ``dead`` makes every send fail as a dead one's."""
 
-    def __init__(self, config: EngineConfig, engine_index: int, outputs) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int, outputs, launch=None) -> None:
+        assert launch is None  # DPClient starts its own unless given launches
         self.ready, self.dead, self.running = object(), False, set()
         self.outputs = outputs
 
