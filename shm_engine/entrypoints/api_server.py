@@ -32,6 +32,7 @@ from shm_engine.entrypoints.openai_errors import APIError, error_response, to_ap
 from shm_engine.entrypoints.openai_protocol import (
     GENERATION_RESPONSES,
     HEALTH_RESPONSES,
+    METRICS_RESPONSES,
     TOKENIZER_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -166,8 +167,10 @@ def build_app(
 
     # HEAD: load balancers probe with it. Two routes, not one with two methods, so the OpenAPI
     # schema gets an operation id each.
-    @app.get("/health", responses=HEALTH_RESPONSES)
-    @app.head("/health", responses=HEALTH_RESPONSES)
+    # NOTE: response_class=Response: a 200 has no body, which the schema then says (it had
+    # documented JSON, and a schema-driven client or fuzzer took the empty body for an error)
+    @app.get("/health", responses=HEALTH_RESPONSES, response_class=Response)
+    @app.head("/health", responses=HEALTH_RESPONSES, response_class=Response)
     async def health(raw: Request) -> Response:
         s = server(raw)
         if s.engine.is_dead:
@@ -176,7 +179,7 @@ def build_app(
             )
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics(raw: Request) -> Response:
         return Response(await server(raw).render_metrics(), media_type=CONTENT_TYPE)
 

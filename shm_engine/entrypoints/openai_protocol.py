@@ -13,14 +13,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from shm_engine.entrypoints.tool_calls import ToolUse, template_tool
 from shm_engine.model.tokenizer import template_kwargs, text_parts
 from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+# NOTE: token ids are strict integers: pydantic's lax mode would read true, 2.0 or "7" in a
+# token list as ids, and a client's mistake would come back as text instead of a 400.
+TokenId = Annotated[int, Strict()]
 
 
 class _NullIsDefault(BaseModel):
@@ -101,14 +105,14 @@ class _SamplingFields(_NullIsDefault):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM extensions
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: the prompt tokens' logprobs (own token and top-n), in the non-streamed response
@@ -263,7 +267,7 @@ class CompletionRequest(_SamplingFields):
         "add_special_tokens": (True,),
     }
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -558,7 +562,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class _AnyObject(msgspec.Struct):
@@ -647,6 +651,12 @@ TOKENIZER_RESPONSES: dict[int | str, dict[str, Any]] = {
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The engine is running"},
     503: _error("The engine is not running"),
+}
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition format",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    },
 }
 
 

@@ -680,6 +680,13 @@ def test_openapi_schema_documents_the_statuses_the_server_answers(fake) -> None:
         assert ref.endswith("/ErrorResponse")
     for path in ("/tokenize", "/detokenize"):
         assert {"200", "400", "404", "413"} <= set(schema["paths"][path]["post"]["responses"])
+    # /health's 200 has no body (a schemathesis run had flagged the JSON it documented)
+    for method in ("get", "head"):
+        health = schema["paths"]["/health"][method]["responses"]
+        assert "content" not in health["200"] and "503" in health
+    assert client.get("/health").content == b""
+    metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert set(metrics) == {"text/plain"}  # Prometheus text, not JSON
     error = schema["components"]["schemas"]["ErrorInfo"]
     assert set(error["properties"]) == {"message", "type", "param", "code"}
     assert "HTTPValidationError" not in schema["components"]["schemas"]
@@ -993,6 +1000,25 @@ def test_detokenize_gives_the_text_with_special_tokens(fake) -> None:
     r = client.post("/detokenize", json={"tokens": [97, engine.tokenizer.vocab_size]})
     assert r.status_code == 400
     assert client.post("/detokenize", json={"tokens": "ab"}).status_code == 400
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "7"])
+def test_token_ids_are_integers_not_what_pydantic_would_coerce(fake, bad) -> None:
+    """A bool, float or string among token ids is a client's mistake: 400, not ids 1, 2, 7
+    (a schemathesis run found /detokenize answering `[false]` with the text of token 0)."""
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    r = client.post("/detokenize", json={"tokens": [97, bad]})
+    assert r.status_code == 400, r.text
+    for body in (
+        {"prompt": [97, bad], "max_tokens": 2},
+        {"prompt": [[97], [97, bad]], "max_tokens": 2},
+        {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [bad]},
+        {"prompt": "hi", "max_tokens": 2, "allowed_token_ids": [97, bad]},
+    ):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", body
+    assert client.post("/v1/completions", json={"prompt": [97, 98], "max_tokens": 2}).is_success
 
 
 # ---------------------------------------------------------------------------- reasoning
