@@ -22,9 +22,10 @@ from shm_engine.entrypoints.tool_calls import ToolUse, template_tool
 from shm_engine.model.tokenizer import template_kwargs, text_parts
 from shm_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-# NOTE: token ids are strict integers: pydantic's lax mode would read true, 2.0 or "7" in a
-# token list as ids, and a client's mistake would come back as text instead of a 400.
-TokenId = Annotated[int, Strict()]
+# NOTE: token ids are strict, non-negative integers (the schema says so too): pydantic's lax
+# mode would read true, 2.0 or "7" in a token list as ids, and a client's mistake would come
+# back as text instead of a 400.
+TokenId = Annotated[int, Strict(), Field(ge=0)]
 
 
 class _NullIsDefault(BaseModel):
