@@ -123,13 +123,9 @@ def _deq_q8_0(raw: torch.Tensor) -> torch.Tensor:
     return _half_at(blocks, 0) * blocks[:, 2:].view(torch.int8).float()
 
 
-def _nibbles_u8(qs: torch.Tensor) -> torch.Tensor:
-    # element j < 16 is the low nibble of byte j, element 16 + j its high nibble
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
-
-
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    return _nibbles_u8(qs).float()
+    # element j < 16 is the low nibble of byte j, element 16 + j its high nibble
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
 
 
 def _deq_q4_0(raw: torch.Tensor) -> torch.Tensor:
@@ -160,17 +156,17 @@ _BLOCK_BYTES = {
 _CHUNK_BLOCKS = 1 << 15  # 1 Mi weights (4 MB of fp32) per chunk
 
 
+# Each grid reader gives a group of 32 a row: its 16 nibble bytes in W4Grid's order (Q4_0's
+# and Q4_1's own), its scale and its minimum.
+
+
 def _grid_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d = _half_at(blocks, 0)[:, 0]  # w = d (q - 8)
-    return _nibbles_u8(blocks[:, 2:]), d, -8.0 * d
+    return blocks[:, 2:], d, -8.0 * d
 
 
 def _grid_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        _nibbles_u8(blocks[:, 4:]),
-        _half_at(blocks, 0)[:, 0],
-        _half_at(blocks, 2)[:, 0],
-    )
+    return blocks[:, 4:], _half_at(blocks, 0)[:, 0], _half_at(blocks, 2)[:, 0]
 
 
 def _grid_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,8 +179,9 @@ def _grid_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     sc = torch.cat([lo & 63, (sb[:, 8:12] & 15) | ((lo >> 6) << 4)], dim=1)
     mn = torch.cat([hi & 63, (sb[:, 8:12] >> 4) | ((hi >> 6) << 4)], dim=1)
     qs = blocks[:, 16:].view(n, 4, 32)  # 64 weights a chunk: low nibbles, then high ones
-    u = torch.stack([qs & 15, qs >> 4], dim=2).reshape(n * 8, 32)
-    return u, (d * sc.float()).reshape(-1), (-(dmin * mn.float())).reshape(-1)
+    u = torch.stack([qs & 15, qs >> 4], dim=2).view(n * 8, 2, 16)
+    q = u[:, 0] | (u[:, 1] << 4)  # W4Grid's order: k i and 16 + i in byte i
+    return q, (d * sc.float()).reshape(-1), (-(dmin * mn.float())).reshape(-1)
 
 
 # Block bytes and grid readers of the types W4 holds (w4_grid)
@@ -202,9 +199,9 @@ def w4_grid_of(t: ReaderTensor) -> W4Grid:
     raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))
     if cols % block_len:  # ggml keeps rows whole blocks: a file that does not is broken
         raise ValueError(f"{t.name}: rows of {cols} are not whole {t.tensor_type.name} blocks")
-    u, s, m = read(raw.view(-1, block_bytes))
+    q, s, m = read(raw.view(-1, block_bytes))
     groups = cols // 32
-    return W4Grid(u.reshape(rows, cols), s.reshape(rows, groups), m.reshape(rows, groups))
+    return W4Grid(q.reshape(rows, cols // 2), s.reshape(rows, groups), m.reshape(rows, groups))
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

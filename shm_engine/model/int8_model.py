@@ -258,7 +258,8 @@ class Int8Llama:
                 def grid(n: str, stored: bool) -> W4Grid:
                     if stored:
                         return w.w4_grid(n)
-                    return W4Grid(*kernels.PackedLinear.from_float(w[n], w4=True).unpack_w4())
+                    fitted = kernels.PackedLinear.from_float(w[n], w4=True)
+                    return W4Grid.from_values(*fitted.unpack_w4())
 
                 grids = [grid(n, stored) for n, stored in zip(names, on_grids, strict=True)]
                 return W4Grid(*(torch.cat(parts) for parts in zip(*grids, strict=True)))

@@ -342,7 +342,7 @@ class PackedLinear:
     @classmethod
     def from_w4_grid(
         cls,
-        u: torch.Tensor,
+        q: torch.Tensor,
         scales: torch.Tensor,
         mins: torch.Tensor,
         bias: torch.Tensor | None = None,
@@ -350,36 +350,36 @@ class PackedLinear:
         act8: bool = False,
     ) -> PackedLinear:
         """Pack a matrix already on 4-bit grids, w[j, k] = scales[j, g] u[j, k] + mins[j, g] with
-        g = k // 32 (u uint8 [n, k] in 0 .. 15; scales, mins fp32 [n, groups]), as a GGUF
-        file's Q4_0 / Q4_1 / Q4_K blocks hold it: exact but for rounding the scales and
-        minimums to fp16 (nearest even; those of Q4_0 and Q4_1 are fp16 already). ``act8``:
-        run it on 8-bit activations (``from_float``).
+        g = k // 32 (q uint8 [n, k / 2]: u two to a byte in ``loader.W4Grid``'s order; scales,
+        mins fp32 [n, groups]), as a GGUF file's Q4_0 / Q4_1 / Q4_K blocks hold it: exact but
+        for rounding the scales and minimums to fp16 (nearest even; those of Q4_0 and Q4_1 are
+        fp16 already). ``act8``: run it on 8-bit activations (``from_float``).
 
-        NOTE: the same layout as ``from_float(w4=True)`` writes in C (w4.c), built with torch."""
-        _check(u, "u", torch.uint8, 2)
-        n, k = u.shape
-        if n < 1 or k < 1:
-            raise ValueError(f"u must be non-empty, got shape {tuple(u.shape)}")
-        groups = padded_k(k) // 32
+        NOTE: the same layout as ``from_float(w4=True)`` writes in C (w4.c), built with torch:
+        byte 4 r + t of a group's 16 is, as it stands, the byte t of nibble row r (k 4 r + t low,
+        16 + 4 r + t high), so the bytes only move in words of 4."""
+        _check(q, "q", torch.uint8, 2)
+        n, half = q.shape
+        if n < 1 or half < 1 or half % 16:
+            raise ValueError(f"q must hold whole groups of 32 nibbles, got shape {tuple(q.shape)}")
+        k = 2 * half
+        groups = k // 32
         for t, name in ((scales, "scales"), (mins, "mins")):
             _check(t, name, torch.float32, 2)
             _shape(t, name, (n, groups))
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} must be finite")
-        if int(u.max()) > 15:
-            raise ValueError("u must lie in [0, 15]")
         amax = max(float(scales.abs().max()), float(mins.abs().max()))
         # as w4.c: the largest |scale| or |minimum| lands in [2^14, 2^15) of fp16
         e = math.frexp(amax)[1] if amax > 0 else 0
         mult = 2.0 ** (e - 15)
         nb = -(-n // 16)
         packed, sbuf, mbuf = cls._buffers(n, k, arena, w4=True)
-        up = torch.zeros(nb * 16, groups * 32, dtype=torch.uint8)
-        up[:n, :k] = u
-        # [block, channel, group, quad row r, k 4r + t] -> [block, group, r, channel, t]; quad
-        # row r's byte goes to nibble row r % 4, high nibble for r >= 4
-        q = up.view(nb, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
-        packed.copy_((q[:, :, :4] | (q[:, :, 4:] << 4)).reshape(-1).view(torch.int8))
+        qp = torch.zeros(nb * 16, half, dtype=torch.uint8)
+        qp[:n] = q
+        # words of 4 bytes: [block, channel, group, nibble row r] -> [block, group, r, channel]
+        words = qp.view(torch.int32).view(nb, 16, groups, 4).permute(0, 2, 3, 1)
+        packed.view(torch.int32).copy_(words.reshape(-1))
 
         def fp16_bits(t: torch.Tensor, out: torch.Tensor) -> None:
             h = torch.zeros(nb * 16, groups, dtype=torch.float16)

@@ -30,11 +30,36 @@ _FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed at each end of every file
 
 class W4Grid(NamedTuple):
     """A matrix as a file holds it on 4-bit grids of 32 along its rows:
-    w[j, k] = scales[j, k // 32] * u[j, k] + mins[j, k // 32]."""
+    w[j, k] = scales[j, k // 32] * u[j, k] + mins[j, k // 32], u in 0 .. 15 two to a byte as
+    GGUF's Q4_0 / Q4_1 blocks hold them: byte 16 g + i of row j (i < 16) has u[j, 32 g + i] in
+    its low nibble and u[j, 32 g + 16 + i] in its high one.
 
-    u: torch.Tensor  # uint8 [n, k], 0 .. 15
-    scales: torch.Tensor  # fp32 [n, ceil(k / 32)]
-    mins: torch.Tensor  # fp32 [n, ceil(k / 32)]
+    NOTE: the file's own bytes, so a Q4_0 / Q4_1 matrix reaches the W4 packing with no unpacking
+    (``PackedLinear.from_w4_grid`` only moves them in words of 4)."""
+
+    q: torch.Tensor  # uint8 [n, k / 2], k a multiple of 32
+    scales: torch.Tensor  # fp32 [n, k / 32]
+    mins: torch.Tensor  # fp32 [n, k / 32]
+
+    @classmethod
+    def from_values(cls, u: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> W4Grid:
+        """The grid of values u (uint8 [n, k], 0 .. 15, k a multiple of 32)."""
+        import torch  # here: the frontend imports this module without torch
+
+        n, k = u.shape
+        if u.dtype != torch.uint8 or k % 32:
+            raise ValueError(f"u must be uint8 rows of whole groups of 32, got {u.dtype} {k}")
+        if int(u.max()) > 15:
+            raise ValueError("u must lie in [0, 15]")
+        g = u.reshape(n, k // 32, 2, 16)
+        return cls((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), scales, mins)
+
+    def values(self) -> torch.Tensor:
+        """u (uint8 [n, k])."""
+        import torch
+
+        g = self.q.reshape(self.q.shape[0], -1, 1, 16)
+        return torch.cat([g & 15, g >> 4], dim=2).reshape(self.q.shape[0], -1)
 
 
 class WeightSource(Mapping[str, "torch.Tensor"], ABC):

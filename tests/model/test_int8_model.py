@@ -370,7 +370,8 @@ def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
             return "mlp." in name or name.endswith("q_proj.weight")
 
         def w4_grid(self, name):
-            return W4Grid(*kernels.PackedLinear.from_float(weights[name], w4=True).unpack_w4())
+            fitted = kernels.PackedLinear.from_float(weights[name], w4=True)
+            return W4Grid.from_values(*fitted.unpack_w4())
 
     src = Source(list(weights))
     with kernels.use_path("avx2"):

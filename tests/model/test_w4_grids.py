@@ -15,7 +15,7 @@ from shm_engine.model import kernels
 from shm_engine.model.gguf_loader import w4_grid_of
 from shm_engine.model.gguf_metadata import read_gguf
 from shm_engine.model.int8_model import Int8Llama
-from shm_engine.model.loader import load_model
+from shm_engine.model.loader import W4Grid, load_model
 from shm_engine.model.reference import ReferenceModel
 
 from . import conftest
@@ -56,11 +56,14 @@ def test_grids_hold_what_the_gguf_package_dequantizes(tmp_path: Path, qtype: Q) 
         data = quantize(a, qtype)
     t = gguf_tensor(tmp_path, data, qtype)
     g = w4_grid_of(t)
-    assert g.u.dtype == torch.uint8 and g.u.shape == (rows, cols) and int(g.u.max()) <= 15
+    assert g.q.dtype == torch.uint8 and g.q.shape == (rows, cols // 2)
     assert g.scales.shape == g.mins.shape == (rows, cols // 32)
     ref = torch.from_numpy(dequantize(np.asarray(t.data), qtype).reshape(rows, cols).copy())
     grow = lambda x: x.repeat_interleave(32, dim=1)  # noqa: E731
-    assert torch.equal(g.u.float() * grow(g.scales) + grow(g.mins), ref)
+    u = g.values()
+    assert u.shape == (rows, cols) and int(u.max()) <= 15
+    assert torch.equal(u.float() * grow(g.scales) + grow(g.mins), ref)
+    assert torch.equal(W4Grid.from_values(u, g.scales, g.mins).q, g.q)
     # packed as they are: exact for Q4_0 / Q4_1 (fp16 scales), Q4_K's d x sc rounded to fp16
     p = kernels.PackedLinear.from_w4_grid(*g)
     tol = 0 if qtype != Q.Q4_K else float((grow(g.scales).abs() * 15 + grow(g.mins).abs()).max())
@@ -71,13 +74,31 @@ def test_from_w4_grid_checks_its_input():
     u = torch.zeros(4, 64, dtype=torch.uint8)
     s = torch.ones(4, 2)
     with pytest.raises(ValueError, match="u must lie in"):
-        kernels.PackedLinear.from_w4_grid(u + 16, s, s)
+        W4Grid.from_values(u + 16, s, s)
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        W4Grid.from_values(u[:, :40], s, s)
+    q = W4Grid.from_values(u, s, s).q
     with pytest.raises(ValueError, match="scales must have shape"):
-        kernels.PackedLinear.from_w4_grid(u, s[:, :1].contiguous(), s)
+        kernels.PackedLinear.from_w4_grid(q, s[:, :1].contiguous(), s)
     with pytest.raises(ValueError, match="mins must be finite"):
-        kernels.PackedLinear.from_w4_grid(u, s, s * float("inf"))
-    with pytest.raises(TypeError, match="u must have dtype"):
-        kernels.PackedLinear.from_w4_grid(u.to(torch.int16), s, s)
+        kernels.PackedLinear.from_w4_grid(q, s, s * float("inf"))
+    with pytest.raises(TypeError, match="q must have dtype"):
+        kernels.PackedLinear.from_w4_grid(q.to(torch.int16), s, s)
+    with pytest.raises(ValueError, match="whole groups of 32 nibbles"):
+        kernels.PackedLinear.from_w4_grid(q[:, :24].contiguous(), s, s)
+
+
+def test_a_grid_packs_as_from_float_packs_it():
+    """W4Grid's bytes, moved in words of 4, give w4.c's layout: the same packed bytes and
+    dequantized weights as from_float(w4=True), at ragged row counts."""
+    torch.manual_seed(0)
+    for n, k in ((37, 64), (16, 576), (5, 1536), (1, 32)):
+        p = kernels.PackedLinear.from_float(torch.randn(n, k), w4=True)
+        g = W4Grid.from_values(*p.unpack_w4())
+        assert torch.equal(g.values(), p.unpack_w4()[0])
+        again = kernels.PackedLinear.from_w4_grid(*g)
+        assert torch.equal(again.packed, p.packed)
+        assert torch.equal(again.dequantized(), p.dequantized())
 
 
 @pytest.fixture(scope="module")

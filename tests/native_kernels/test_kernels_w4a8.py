@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shm_engine.model import kernels as K
+from shm_engine.model.loader import W4Grid
 
 from .test_kernels_gemm import PATHS
 from .test_kernels_w4 import grow, q4_1_weights
@@ -98,7 +99,7 @@ def test_w4a8_on_gguf_grids_and_the_weight_is_packed_as_ever():
     w = q4_1_weights(48, 96, 5)
     plain = K.PackedLinear.from_float(w, w4=True)
     a8 = K.PackedLinear.from_float(w, w4=True, act8=True)
-    grid = K.PackedLinear.from_w4_grid(*plain.unpack_w4(), act8=True)
+    grid = K.PackedLinear.from_w4_grid(*W4Grid.from_values(*plain.unpack_w4()), act8=True)
     assert a8.act8 and grid.act8 and "act8" in repr(a8)
     for p in (a8, grid):
         assert torch.equal(p.packed, plain.packed) and torch.equal(p.dequantized(), w)
