@@ -242,6 +242,17 @@ class GGUFWeights(WeightSource):
     def stored_in_4bit_groups(self, name: str) -> bool:
         return self.gguf_type(name) in _GRIDS
 
+    def q8_0_rows(self, name: str, start: int, end: int) -> torch.Tensor | None:
+        t = self._tensors[name]
+        if t.tensor_type != GGMLQuantizationType.Q8_0 or self._permuted_heads(name) is not None:
+            return None
+        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        row_bytes = raw.size // self.shape(name)[0]
+        part = np.array(raw[start * row_bytes : end * row_bytes], copy=True)
+        if isinstance(self.reader, FastGGUFReader):
+            self.reader.release(int(t.data_offset) + start * row_bytes, (end - start) * row_bytes)
+        return torch.from_numpy(part).view(end - start, row_bytes)
+
     def w4_grid(self, name: str) -> W4Grid:
         if not self.stored_in_4bit_groups(name):
             return super().w4_grid(name)

@@ -392,6 +392,69 @@ class PackedLinear:
         b = None if bias is None else _cpu_f32(bias)
         return cls(n, k, packed, sbuf, mult, b, act8=act8, mins=mbuf)
 
+    @classmethod
+    def from_q8_0(
+        cls,
+        n: int,
+        k: int,
+        rows: Callable[[int, int], torch.Tensor],
+        chunk_rows: int = 4096,
+        arena: HugeArena | None = None,
+    ) -> PackedLinear | None:
+        """Pack an [n, k] matrix from GGUF Q8_0 blocks, ``rows(a, b)`` giving rows a .. b - 1's
+        (uint8 [b - a, k / 32 * 34]: per 32 weights an fp16 scale d and 32 int8 q, w = d q),
+        keeping the file's values exactly; None where a q is -128 (the kernels' weights lie in
+        -127 .. 127: pack the floats instead).
+
+        NOTE: the W8 layout holds a group's 32 int8 of a channel as 8 words of 4 bytes in k
+        order (shmk_dequant_channels), so the bytes only move in words; the scales are the
+        file's, multiplied by the power of two that puts the largest in [2^14, 2^15) of fp16
+        (as shmk_pack_rows' are; normals or 0 only). Requantising the dequantised floats gives
+        the same values where a group's largest |q| is 127, as ggml's quantiser makes it. Two
+        passes over chunks (the largest scale first), as ``from_row_chunks``."""
+        n, k = int(n), int(k)
+        if n < 1 or k < 1 or k % 32:
+            raise ValueError(f"n must be >= 1 and k a positive multiple of 32, got {n}, {k}")
+        groups = k // 32
+        step = max(16, chunk_rows // 16 * 16)  # chunks start on 16-channel blocks
+        spans = [(a, min(n, a + step)) for a in range(0, n, step)]
+
+        def chunk(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            blocks = rows(a, b)
+            _check(blocks, "blocks", torch.uint8, 2)
+            _shape(blocks, "blocks", (b - a, groups * 34))
+            blk = blocks.view(b - a, groups, 34)
+            q = blk[:, :, 2:].reshape(b - a, k).view(torch.int8)
+            d = blk[:, :, :2].contiguous().view(torch.float16).view(b - a, groups).float()
+            return q, d
+
+        dmax = 0.0
+        for a, b in spans:
+            q, d = chunk(a, b)
+            if int(q.min()) == -128:
+                return None
+            if not bool(torch.isfinite(d).all()):
+                raise ValueError("Q8_0 scales must be finite")
+            dmax = max(dmax, float(d.abs().max()))
+        e = math.frexp(dmax)[1] if dmax > 0 else 0  # dmax in [2^(e-1), 2^e)
+        mult = 2.0 ** (e - 15)
+        packed, scales, _ = cls._buffers(n, k, arena)
+        for a, b in spans:
+            q, d = chunk(a, b)
+            nb = -(-(b - a) // 16)
+            qp = torch.zeros(nb * 16, k, dtype=torch.int8)
+            qp[: b - a] = q
+            h = torch.zeros(nb * 16, groups, dtype=torch.float16)
+            h[: b - a] = (d / mult).to(torch.float16)  # exact: fp16 values times a power of two
+            h[h.abs() < 2.0**-14] = 0
+            # words of 4 bytes: [block, channel, group, word r] -> [block, group, r, channel]
+            words = qp.view(torch.int32).view(nb, 16, groups, 8).permute(0, 2, 3, 1)
+            b0 = a // 16
+            packed[b0 * 16 * k : (b0 + nb) * 16 * k].view(torch.int32).copy_(words.reshape(-1))
+            sc = h.view(nb, 16, groups).permute(0, 2, 1).reshape(-1).view(torch.int16)
+            scales[b0 * 16 * groups : (b0 + nb) * 16 * groups].copy_(sc)
+        return cls(n, k, packed, scales, mult)
+
     @staticmethod
     def _buffers(
         n: int, k: int, arena: HugeArena | None, w4: bool = False

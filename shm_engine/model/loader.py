@@ -99,6 +99,13 @@ class WeightSource(Mapping[str, "torch.Tensor"], ABC):
         """The tensor's 4-bit grids, where ``stored_in_4bit_groups(name)``."""
         raise ValueError(f"{name} is not stored on 4-bit grids")
 
+    def q8_0_rows(self, name: str, start: int, end: int) -> torch.Tensor | None:
+        """Rows ``start .. end - 1`` of a matrix as the file's GGUF Q8_0 blocks (uint8 [rows,
+        row bytes]: per 32 weights an fp16 scale and 32 int8), where it holds them so and its
+        rows need no reordering; else None. ``PackedLinear.from_q8_0`` packs them without a
+        float pass."""
+        return None
+
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """fp32 rows ``start .. end - 1`` of a matrix (what ``self[name][start:end]`` holds).
 

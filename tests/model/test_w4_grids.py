@@ -1,5 +1,6 @@
 """A GGUF's 4-bit matrices read as grids (Q4_0, Q4_1, Q4_K) and packed as they are: the values
-the loader's floats hold, in 4 bits, with the Q/K rows un-permuted as the floats are."""
+the loader's floats hold, in 4 bits, with the Q/K rows un-permuted as the floats are; and Q8_0
+vocabulary matrices packed from their bytes."""
 
 from __future__ import annotations
 
@@ -131,3 +132,52 @@ def test_q4_k_layers_run_in_4_bits_on_the_files_grids(q4_k_model):
     got = paged_logits(model, m.config, seqs, [[10, 1, 10], [5, 1]])
     for s, o in zip(seqs, got, strict=True):
         assert rel_err(o, ref.forward(torch.tensor(s))) < 0.06
+
+
+# ------------------------------------------------------------- Q8_0 vocabulary matrices
+
+
+def _q8_0(blocks: torch.Tensor, chunk_rows: int = 16) -> kernels.PackedLinear | None:
+    n, k = blocks.shape[0], blocks.shape[1] // 34 * 32
+    return kernels.PackedLinear.from_q8_0(n, k, lambda a, b: blocks[a:b], chunk_rows=chunk_rows)
+
+
+def test_q8_0_blocks_pack_as_the_floats_do() -> None:
+    """A Q8_0 matrix packed from the file's bytes (from_q8_0, in chunks of 16 rows here): its
+    values exactly, and the same packed bytes and scales as packing its dequantized floats, at
+    ragged row counts."""
+    rng = np.random.default_rng(2)
+    for n, k in ((37, 64), (16, 576), (5, 96), (1, 32)):
+        a = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+        blocks = torch.from_numpy(quantize(a, Q.Q8_0).copy())
+        want = torch.from_numpy(dequantize(blocks.numpy(), Q.Q8_0).reshape(n, k).copy())
+        got = _q8_0(blocks)
+        floats = kernels.PackedLinear.from_float(want)
+        assert torch.equal(got.dequantized(), want)
+        assert torch.equal(got.packed, floats.packed) and torch.equal(got.scales, floats.scales)
+        x = torch.randn(3, k)
+        assert torch.equal(kernels.linear(x, got), kernels.linear(x, floats))
+
+
+def test_q8_0_blocks_the_kernels_cannot_hold_are_left_to_the_float_path() -> None:
+    blocks = torch.from_numpy(quantize(np.ones((20, 32), np.float32), Q.Q8_0).copy())
+    assert _q8_0(blocks) is not None
+    blocks[17, 7] = 0x80  # a q of -128, in the second chunk
+    assert _q8_0(blocks) is None
+    with pytest.raises(ValueError, match="blocks must have shape"):
+        kernels.PackedLinear.from_q8_0(20, 32, lambda a, b: blocks[a:b, :30].contiguous())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.PackedLinear.from_q8_0(20, 40, lambda a, b: blocks[a:b])
+
+
+def test_the_default_models_embedding_is_packed_from_its_q8_0_bytes(smollm) -> None:
+    """SmolLM2's tied embedding is Q8_0: the bytes path and the float path give the same
+    packed LM head."""
+    name = "model.embed_tokens.weight"
+    w = smollm.weights
+    n, k = w.shape(name)
+    assert w.q8_0_rows(name, 5, 7).shape == (2, k // 32 * 34)
+    assert w.q8_0_rows("model.layers.0.mlp.down_proj.weight", 0, 1) is None  # Q4_1
+    floats = kernels.PackedLinear.from_row_chunks(n, k, lambda a, b: w.rows(name, a, b))
+    got = kernels.PackedLinear.from_q8_0(n, k, lambda a, b: w.q8_0_rows(name, a, b))
+    assert torch.equal(got.packed, floats.packed) and torch.equal(got.scales, floats.scales)
