@@ -237,7 +237,8 @@ class Int8Llama:
             return kernels.PackedLinear.from_float(w[name], arena=self._arena)
         n, k = w.shape(name)
         # NOTE: a Q8_0 matrix (SmolLM2's tied embedding) is packed from the file's bytes: its
-        # values exactly, without the float passes below (~0.2 s of the load)
+        # values exactly, without the float passes below (~0.2 s of the load); an empty read
+        # asks whether the file holds it so
         if w.q8_0_rows(name, 0, 0) is not None and k % 32 == 0:
             packed = kernels.PackedLinear.from_q8_0(
                 n, k, lambda a, b: w.q8_0_rows(name, a, b), arena=self._arena
