@@ -165,6 +165,13 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype | Sequence[torch.dtype
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
 
 
+def _row_spans(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """Chunks of about ``chunk_rows`` of n rows, each starting on a 16-channel block (the packed
+    layout's unit), for packing a matrix a chunk at a time."""
+    step = max(16, chunk_rows // 16 * 16)
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
 def _shape(t: torch.Tensor, name: str, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -416,8 +423,7 @@ class PackedLinear:
         if n < 1 or k < 1 or k % 32:
             raise ValueError(f"n must be >= 1 and k a positive multiple of 32, got {n}, {k}")
         groups = k // 32
-        step = max(16, chunk_rows // 16 * 16)  # chunks start on 16-channel blocks
-        spans = [(a, min(n, a + step)) for a in range(0, n, step)]
+        spans = _row_spans(n, chunk_rows)
 
         def chunk(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
             blocks = rows(a, b)
@@ -491,8 +497,7 @@ class PackedLinear:
         n, k = int(n), int(k)
         if n < 1 or k < 1:
             raise ValueError(f"n and k must be >= 1, got n={n}, k={k}")
-        step = max(16, chunk_rows // 16 * 16)  # chunks start on 16-channel blocks
-        spans = [(a, min(n, a + step)) for a in range(0, n, step)]
+        spans = _row_spans(n, chunk_rows)
 
         def chunk(a: int, b: int) -> torch.Tensor:
             w = rows(a, b)
