@@ -163,7 +163,12 @@ class EngineLaunch:
 
 
 def launch_engines(count: int) -> list[EngineLaunch]:
-    """``count`` engine processes started ahead (replica indices 0..count-1); all or none."""
+    """``count`` engine processes started ahead (replica indices 0..count-1); all or none, and
+    none for more replicas than this process has cores (ValueError)."""
+    from shm_engine.engine.dp_client import split_cores  # (dp_client imports this module)
+
+    if count > 1:
+        split_cores(count)
     launches: list[EngineLaunch] = []
     try:
         for i in range(count):

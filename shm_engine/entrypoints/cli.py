@@ -343,16 +343,14 @@ def serve_config(args):
 
 def cmd_serve(args) -> int:
     from shm_engine.engine.client import close_launches, launch_engines
-    from shm_engine.engine.dp_client import split_cores
     from shm_engine.model.loader import resolve_model_path
 
     config = serve_config(args)
-    # before any process starts: too many replicas, a missing model path (as LLM checks it)
-    split_cores(args.data_parallel_size)
-    resolve_model_path(config.model)
-    # NOTE: the engines (one a replica) start before the web stack is imported and the model's
-    # metadata read (~1.5 s): their own imports run meanwhile on the other core, and the server
-    # is up that much sooner.  Anything that fails before the server adopts them stops them.
+    resolve_model_path(config.model)  # a missing model path fails before any spawn (as in LLM)
+    # NOTE: the engines (one a replica; too many replicas fail before any spawn) start before
+    # the web stack is imported and the model's metadata read (~1.5 s): their own imports run
+    # meanwhile on the other core, and the server is up that much sooner.  Anything that fails
+    # before the server adopts them stops them.
     launches = launch_engines(args.data_parallel_size)
     try:
         from shm_engine.engine.config import check_max_model_len

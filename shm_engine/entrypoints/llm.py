@@ -66,10 +66,6 @@ class LLM:
         engine_args.update(speculative_args(speculative_config))
         self.config = EngineConfig(model=model, **engine_args)
         resolve_model_path(model)  # a missing model fails here, before an engine is spawned
-        if data_parallel_size > 1 and not in_process:
-            from shm_engine.engine.dp_client import split_cores
-
-            split_cores(data_parallel_size)  # too many replicas: before any is spawned
         # NOTE: the engine processes (one a replica) start first; this one reads only the
         # config and tokenizer (no torch, no weights: ~0.45 s of the GGUF's vocabulary) while
         # the engines import their own, and a model it cannot read stops them at once.

@@ -172,6 +172,30 @@ def _row_spans(n: int, chunk_rows: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
+def _packed_words(rows: torch.Tensor, group_bytes: int) -> torch.Tensor:
+    """A matrix's weight bytes in channel order (uint8 or int8 [n, groups * group_bytes], as a
+    GGUF Q4_0 / Q4_1 / Q8_0 block holds a group's) moved in words of 4 into the packed layout:
+    [block of 16 channels, group, word, channel] (int32, flat; channels past n are zeros)."""
+    n, nbytes = rows.shape
+    nb = -(-n // 16)
+    qp = torch.zeros(nb * 16, nbytes, dtype=torch.uint8)
+    qp[:n] = rows.view(torch.uint8)
+    words = qp.view(torch.int32).view(nb, 16, nbytes // group_bytes, group_bytes // 4)
+    return words.permute(0, 2, 3, 1).reshape(-1)
+
+
+def _packed_fp16(t: torch.Tensor, mult: float) -> torch.Tensor:
+    """Group values (fp32 [n, groups]: scales or minimums) divided by ``mult`` as fp16 bits in
+    the packed layout's [block of 16 channels, group, channel] order (int16, flat), normals or 0
+    only (the kernels' contract)."""
+    n, groups = t.shape
+    nb = -(-n // 16)
+    h = torch.zeros(nb * 16, groups, dtype=torch.float16)
+    h[:n] = (t.double() / mult).to(torch.float16)
+    h[h.abs() < 2.0**-14] = 0
+    return h.view(nb, 16, groups).permute(0, 2, 1).reshape(-1).view(torch.int16)
+
+
 def _shape(t: torch.Tensor, name: str, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -380,22 +404,10 @@ class PackedLinear:
         # as w4.c: the largest |scale| or |minimum| lands in [2^14, 2^15) of fp16
         e = math.frexp(amax)[1] if amax > 0 else 0
         mult = 2.0 ** (e - 15)
-        nb = -(-n // 16)
         packed, sbuf, mbuf = cls._buffers(n, k, arena, w4=True)
-        qp = torch.zeros(nb * 16, half, dtype=torch.uint8)
-        qp[:n] = q
-        # words of 4 bytes: [block, channel, group, nibble row r] -> [block, group, r, channel]
-        words = qp.view(torch.int32).view(nb, 16, groups, 4).permute(0, 2, 3, 1)
-        packed.view(torch.int32).copy_(words.reshape(-1))
-
-        def fp16_bits(t: torch.Tensor, out: torch.Tensor) -> None:
-            h = torch.zeros(nb * 16, groups, dtype=torch.float16)
-            h[:n] = (t.double() / mult).to(torch.float16)
-            h[h.abs() < 2.0**-14] = 0  # normals or 0 only (the kernels' contract)
-            out.copy_(h.view(nb, 16, groups).permute(0, 2, 1).reshape(-1).view(torch.int16))
-
-        fp16_bits(scales, sbuf)
-        fp16_bits(mins, mbuf)
+        packed.view(torch.int32).copy_(_packed_words(q, 16))  # a group's 4 nibble rows
+        sbuf.copy_(_packed_fp16(scales, mult))
+        mbuf.copy_(_packed_fp16(mins, mult))
         b = None if bias is None else _cpu_f32(bias)
         return cls(n, k, packed, sbuf, mult, b, act8=act8, mins=mbuf)
 
@@ -447,18 +459,10 @@ class PackedLinear:
         packed, scales, _ = cls._buffers(n, k, arena)
         for a, b in spans:
             q, d = chunk(a, b)
-            nb = -(-(b - a) // 16)
-            qp = torch.zeros(nb * 16, k, dtype=torch.int8)
-            qp[: b - a] = q
-            h = torch.zeros(nb * 16, groups, dtype=torch.float16)
-            h[: b - a] = (d / mult).to(torch.float16)  # exact: fp16 values times a power of two
-            h[h.abs() < 2.0**-14] = 0
-            # words of 4 bytes: [block, channel, group, word r] -> [block, group, r, channel]
-            words = qp.view(torch.int32).view(nb, 16, groups, 8).permute(0, 2, 3, 1)
-            b0 = a // 16
-            packed[b0 * 16 * k : (b0 + nb) * 16 * k].view(torch.int32).copy_(words.reshape(-1))
-            sc = h.view(nb, 16, groups).permute(0, 2, 1).reshape(-1).view(torch.int16)
-            scales[b0 * 16 * groups : (b0 + nb) * 16 * groups].copy_(sc)
+            b0, b1 = a // 16, -(-b // 16)  # the chunk's blocks (a starts one)
+            packed[b0 * 16 * k : b1 * 16 * k].view(torch.int32).copy_(_packed_words(q, 32))
+            # exact: fp16 values times a power of two
+            scales[b0 * 16 * groups : b1 * 16 * groups].copy_(_packed_fp16(d, mult))
         return cls(n, k, packed, scales, mult)
 
     @staticmethod
