@@ -10,7 +10,7 @@ import math
 
 import msgspec
 
-_GREEDY_EPS = 1e-5
+_MIN_TEMPERATURE = 0.01  # vLLM's floor of a temperature above 0
 
 # Every stop string is searched for after every output token, and every stop token id is looked
 # up in the engine each step: unbounded lists let one request slow every other one's stream.
@@ -130,6 +130,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
                 raise ValueError("logit_bias keys must be token ids") from None
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:
+            # vLLM's: only 0 is greedy; a tiny temperature samples at the smallest it allows
+            # (n > 1 at 1e-6 gives varied completions, as there)
+            self.temperature = _MIN_TEMPERATURE
         if self.logprobs is True:
             self.logprobs = 1
         if self.prompt_logprobs is True:
@@ -138,7 +142,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS or self.top_k == 1
+        return self.temperature == 0.0 or self.top_k == 1
 
     @property
     def stop_holdback(self) -> int:

@@ -133,7 +133,9 @@ class EngineLaunch:
         try:
             # NOTE: a fresh interpreter (not multiprocessing's spawn) so the user's __main__ is
             # never re-imported in the engine and scripts need no `if __name__ == "__main__"`
-            # guard.
+            # guard. Its own process group: a terminal's Ctrl-C (sent to the foreground group)
+            # is the frontend's alone (chat stops a reply and goes on; the frontend stops the
+            # engine when it exits), so SIGINT sent to the engine itself can mean "shut down".
             self.proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -143,6 +145,7 @@ class EngineLaunch:
                     f"--engine-index={engine_index}",
                 ],
                 stdin=subprocess.DEVNULL,
+                process_group=0,
             )
         except BaseException:
             self.listener.close()

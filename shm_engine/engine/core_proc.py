@@ -11,7 +11,8 @@ Threads:
   on it, so a slow client never stalls the busy loop (or the other clients).
 
 A fatal error sends EngineDead to every client before the process exits; SIGTERM/SIGINT shut down
-gracefully (channels closed, so clients see the engine go away at once).
+gracefully (channels closed, so clients see the engine go away at once). The process has a group
+of its own (EngineLaunch): a terminal's Ctrl-C is the frontend's.
 """
 
 from __future__ import annotations
@@ -177,7 +178,13 @@ class EngineCoreProc:
                 self.input_queue.put((client, _SHUTDOWN))
                 return
             for msg in msgs:
-                self._accept(client, msg)
+                try:
+                    self._accept(client, msg)
+                except Exception as e:
+                    # NOTE: a message fails, not this thread: its death would leave the
+                    # client's later messages unread, with no EngineDead to say so.
+                    logger.exception("client %d's message could not be accepted", client)
+                    self._reject(client, msg, f"{type(e).__name__}: {e}")
 
     def _accept(self, client: int, msg) -> None:
         if isinstance(msg, MalformedMessage):
@@ -206,8 +213,20 @@ class EngineCoreProc:
         elif isinstance(msg, UtilityCall):
             # NOTE: the busy loop runs it after this thread's next receive, which hands the
             # ring space of arrays in its arguments back (a request's ids were copied above).
-            msg.args = detach(msg.args)
+            try:
+                msg.args = detach(msg.args)
+            except RecursionError:
+                self._reject(client, msg, "its arguments are nested too deeply")
+                return
         self.input_queue.put((client, msg))
+
+    def _reject(self, client: int, msg, why: str) -> None:
+        """Tell the client that ``msg`` failed, in the reply it waits for."""
+        if isinstance(msg, UtilityCall):
+            failed = UtilityOutput(msg.call_id, failure_message=f"{msg.method}: {why}")
+            self._emit(client, EngineCoreOutputs(utility_output=failed))
+        elif isinstance(msg, EngineCoreRequest):
+            self._emit(client, _error_output(msg.request_id, why))
 
     def _emit(self, client: int, out) -> None:
         """Send ``out`` to one client now if its ring has room, else queue it for the output thread.
@@ -468,15 +487,14 @@ def run_engine_core(addresses: list[str], engine_index: int = 0) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # NOTE: EngineLaunch starts this process in a process group of its own, out of the
+    # terminal's Ctrl-C; with `stty tostop`, such a background group's log lines to the
+    # terminal would stop it (SIGTTOU), unless ignored.
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     proc = None
     try:
         try:
             proc = EngineCoreProc(addresses, engine_index)
-            # NOTE: once serving, a terminal's Ctrl-C (sent to the whole process group) is the
-            # frontend's to act on: chat stops a reply and goes on, and had lost its engine to
-            # the same keypress. The engine stops when its clients hang up or on SIGTERM. While
-            # it loads, Ctrl-C still ends it at once (the frontend is giving up on it).
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             proc.run_busy_loop()
         finally:
             stopping = True

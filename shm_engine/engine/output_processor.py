@@ -125,6 +125,14 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+def child_seed(seed: int, index: int) -> int:
+    """vLLM's ``seed + index`` for completion ``index`` of a seeded request, kept an int64 (the
+    sampler reads seeds mod 2^64, so child 0 draws as the same request with n=1 does); -1, which
+    would mean "no seed", becomes 2^63 - 1."""
+    s = (seed + index + 2**63) % 2**64 - 2**63
+    return 2**63 - 1 if s == -1 else s
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -150,7 +158,7 @@ class OutputProcessor:
             child_params = params
             if params.n > 1:
                 # Each completion samples independently; a seeded request stays reproducible.
-                seed = None if params.seed is None else (params.seed + i) % (1 << 63)
+                seed = None if params.seed is None else child_seed(params.seed, i)
                 child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
             eid = child_request_id(request_id, i, params.n)
             state = _RequestState(

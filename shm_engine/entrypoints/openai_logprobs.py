@@ -272,19 +272,24 @@ class LogprobFormatter:
         return n
 
 
-def vllm_prompt_logprobs(entries: list[PositionLogprobs | None] | None) -> list[dict | None]:
+def vllm_prompt_logprobs(out: RequestOutput, top_n: int) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` field: per prompt token, None (the first) or
-    ``{token id: {"logprob", "rank", "decoded_token"}}``, its own token and the top-n."""
-    return [
-        None
-        if e is None
-        else {
-            str(t): {
-                "logprob": _finite(lp.logprob),
-                "rank": lp.rank,
-                "decoded_token": lp.decoded_token,
+    ``{token id: {"logprob", "rank", "decoded_token"}}``, its own token and the ``top_n`` the
+    request asked for (the engine holds more when ``echo`` with ``logprobs`` wanted more)."""
+    fields = []
+    for tid, e in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False):
+        if e is None:
+            fields.append(None)
+            continue
+        fields.append(
+            {
+                str(t): {
+                    "logprob": _finite(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for t, lp in e.items()
+                if t == tid or (lp.rank or 0) <= top_n
             }
-            for t, lp in e.items()
-        }
-        for e in entries or []
-    ]
+        )
+    return fields

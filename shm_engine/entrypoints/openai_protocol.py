@@ -196,6 +196,8 @@ class _SamplingFields(_NullIsDefault):
         )
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
         if self.n > 128:
             raise ValueError(f"n must be at most 128, got {self.n}")
         return SamplingParams(**kw)
@@ -595,7 +597,7 @@ def screen_counts(body: bytes) -> dict[str, int] | None:
     """
     try:
         shape = _BODY_SHAPE.decode(body)
-    except msgspec.DecodeError:  # ValidationError included
+    except (msgspec.DecodeError, RecursionError):  # ValidationError included; deep nesting
         return None
     counts = {
         name: len(getattr(shape, name) or ())

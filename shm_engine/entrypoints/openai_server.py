@@ -591,7 +591,7 @@ class OpenAIServer:
                     "stop_reason": reason,
                 }
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = vllm_prompt_logprobs(p.final.prompt_logprobs)
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(p.final, req.prompt_logprobs)
                 choices.append(choice)
         return JSONResponse(
             {
@@ -734,7 +734,7 @@ class OpenAIServer:
             "usage": _usage([prompt]),
         }
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt.final.prompt_logprobs)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt.final, req.prompt_logprobs)
         return JSONResponse(body)
 
     async def _stream_chat(

@@ -376,12 +376,17 @@ class Channel:
             sl = self._slice_ns if timeout is None else self._slice(timeout)
             try:
                 rc = _write1(tx, body, n, sl, _SPIN_FRESH)
-            except BaseException:  # a signal handler's exception as the call returned
-                self._settle(lambda s, fl, nm: _write1(tx, body, n, s, fl), broken=False)
+                if rc == 0:
+                    return
+                self._write(lambda s, fl, nm: _write1(tx, body, n, s, fl), 1, timeout, rc)
+            except BaseException:
+                # NOTE: a signal handler's exception as the call returned, or on the way into
+                # _drive (whose own bookkeeping settles what passes its `try`): unsettled, a
+                # part-written message had left the next send a broken channel. Settling
+                # again is harmless, unless it would drop the pending message a settle kept.
+                if self._pending is None:
+                    self._settle(lambda s, fl, nm: _write1(tx, body, n, s, fl), broken=False)
                 raise
-            if rc == 0:
-                return
-            self._write(lambda s, fl, nm: _write1(tx, body, n, s, fl), 1, timeout, rc)
         else:
             self._write(lambda s, fl, nm: _write1(tx, body, n, s, fl), 1, timeout)
 
@@ -454,19 +459,23 @@ class Channel:
 
     # ---- receiving ----------------------------------------------------------------------
 
-    def _read(self, max_msgs: int, timeout: float | None, n: int | None = None) -> int:
-        """Return the number of entries in self._out, waiting in slices; raises on errors.
+    @staticmethod
+    def _deadline(timeout: float | None, waited_ns: int) -> float | None:
+        """The deadline of a receive that has waited ``waited_ns`` already (a first C call's
+        slice), so that ``timeout`` is a total for the call, however many reads it takes."""
+        return None if timeout is None else time.monotonic() + timeout - waited_ns / 1e9
+
+    def _read(self, max_msgs: int, deadline: float | None, n: int | None = None) -> int:
+        """Return the number of entries in self._out, waiting in slices until ``deadline``;
+        raises on errors.
 
         ``n`` is the result of a first C call a fast path already made (then <= 0).
         """
         rx = self._rx
         if n is None:
-            n = _readn(rx.r, self._out, self._out_n, max_msgs, self._slice(timeout), 1)
+            n = _readn(rx.r, self._out, self._out_n, max_msgs, self._deadline_slice(deadline), 1)
             if n > 0:
                 return n
-        deadline = (
-            None if timeout is None else time.monotonic() + timeout - self._slice(timeout) / 1e9
-        )
         while True:
             if n > 0:
                 return n
@@ -493,13 +502,13 @@ class Channel:
                 slice_ns = min(slice_ns, int(left * 1e9) + 1)
             n = lib.ring_read(rx.r, self._out, self._out_n, max_msgs, slice_ns, 0)
 
-    def _collect(self, n: int, timeout: float | None) -> list[list[Buffer]]:
+    def _collect(self, n: int, deadline: float | None) -> list[list[Buffer]]:
         """Turn entries into frame lists; copies out a fragmented (large) message."""
         vals = self._outmv[: 2 * n].tolist()
         mv = self._mv
         base = self._rx_base
         if self._partial is not None or vals[1] & _LARGE:
-            return [self._assemble(vals, timeout)]
+            return [self._assemble(vals, deadline)]
         msgs: list[list[Buffer]] = []
         cur: list[Buffer] = []
         for i in range(0, 2 * n, 2):
@@ -511,7 +520,7 @@ class Channel:
                 cur = []
         return msgs
 
-    def _assemble(self, vals: list[int], timeout: float | None) -> list[Buffer]:
+    def _assemble(self, vals: list[int], deadline: float | None) -> list[Buffer]:
         asm = self._partial
         if asm is None:
             asm = self._partial = _Assembly()
@@ -534,7 +543,7 @@ class Channel:
                     done = True
             if done:
                 return asm.frames  # the caller clears _partial once it delivered them
-            n = self._read(1, timeout)
+            n = self._read(1, deadline)
             vals = self._outmv[: 2 * n].tolist()
 
     def _interrupted(self) -> None:
@@ -567,8 +576,9 @@ class Channel:
                 o = (v >> 32) + self._rx_base
                 frames: list[Buffer] = [self._mv[o : o + (v & _M32)]]
             else:
-                n = v if v > 0 else self._read(1, timeout, v)
-                frames = self._collect(n, timeout)[0]
+                deadline = self._deadline(timeout, sl if v <= 0 else 0)
+                n = v if v > 0 else self._read(1, deadline, v)
+                frames = self._collect(n, deadline)[0]
             if not self._zero_copy:
                 frames = [bytes(f) for f in frames]
         except BaseException:
@@ -589,13 +599,16 @@ class Channel:
                 o = (v >> 32) + self._rx_base
                 frames: list[Buffer] = [bytearray(self._mv[o : o + (v & _M32)])]
             else:
-                n = v if v > 0 else self._read(1, timeout, v)
-                frames = self._collect(n, timeout)[0]
+                deadline = self._deadline(timeout, sl if v <= 0 else 0)
+                n = v if v > 0 else self._read(1, deadline, v)
+                frames = self._collect(n, deadline)[0]
                 if not self._zero_copy:
                     frames = _copy([frames])[0]
             obj = self._decode(frames)
-        except _DECODE_ERRORS:
+        except _DECODE_ERRORS as e:
             self._partial = None
+            if isinstance(e, RecursionError):
+                raise msgspec.DecodeError(f"message nested too deeply: {e}") from None
             raise
         except BaseException:
             self._interrupted()
@@ -618,7 +631,8 @@ class Channel:
         never costs the others of the batch (``recv`` raises the decode error instead).
         """
         try:
-            n = _readb(self._rxr, self._out, self._out_n, self._rx_base, self._slice(timeout), 1)
+            sl = self._slice(timeout)
+            n = _readb(self._rxr, self._out, self._out_n, self._rx_base, sl, 1)
             if n & _BATCH_SIMPLE and self._zero_copy and n > 0:
                 # Common case: single-frame messages only, offsets already relative to the mapping.
                 vals = self._outmv[: 2 * (n & ~_BATCH_SIMPLE)].tolist()
@@ -633,14 +647,15 @@ class Channel:
                     # NOTE: the views are still valid (no receive since); decode one by one so a
                     # bad message costs only itself.
                     return [_decode_or_mark(dec, b) for b in bodies]
+            deadline = self._deadline(timeout, sl if n <= 0 else 0)
             if n > 0:
                 # The offsets were shifted by the region base; shift them back for _collect.
                 n &= ~_BATCH_SIMPLE
                 for i in range(0, 2 * n, 2):
                     self._out[i] -= self._rx_base
             else:
-                n = self._read(0xFFFFFFFF, timeout, n)
-            msgs = self._collect(n, timeout)
+                n = self._read(0xFFFFFFFF, deadline, n)
+            msgs = self._collect(n, deadline)
             if not self._zero_copy:
                 msgs = _copy(msgs)
             out = [_decode_or_mark(self._decode, m) for m in msgs]
@@ -657,7 +672,11 @@ class Channel:
         return self._closed
 
     def close(self) -> None:
-        """Idempotent.  The peer's recv drains what we sent, then raises ChannelClosedError."""
+        """Idempotent.  The peer's recv drains what we sent, then raises ChannelClosedError.
+
+        A fragmented message a timed-out send left part written (``has_pending_send``) is
+        dropped, never delivered in part: ``flush`` first to deliver it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -686,7 +705,10 @@ class Channel:
         self.close()
 
 
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+# NOTE: RecursionError too: msgspec raises it for nesting past its limit (~1000 levels). Such a
+# message would fail again on every receive, so like a malformed one it is consumed, never
+# handed back to the ring (where it had blocked every message behind it).
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 class _Assembly:

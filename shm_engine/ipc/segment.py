@@ -10,6 +10,7 @@ anything in /dev/shm past the next start.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import secrets
@@ -54,6 +55,7 @@ def create(size: int) -> int:
             os.fchmod(shm.fd, 0o600)  # independent of the umask
             if _created_hook is not None:
                 _created_hook(name)
+            _reserve(shm.fd, size)
         except BaseException:
             shm.close_fd()
             raise
@@ -61,6 +63,23 @@ def create(size: int) -> int:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(name)
     return shm.fd
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Back every page of the segment now.
+
+    NOTE: ftruncate on tmpfs reserves nothing and MAP_POPULATE skips pages it cannot back, so
+    a full /dev/shm (Docker's default is 64 MiB) had surfaced as SIGBUS at the first touch of
+    such a page, in the handshake or mid-stream; this is an OSError (ENOSPC) at creation.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise OSError(
+            errno.ENOSPC, f"/dev/shm has no room for a {size / 2**20:.1f} MiB channel segment"
+        ) from None
 
 
 def _unlink_orphans(shm_dir: str = "/dev/shm") -> None:

@@ -31,7 +31,8 @@ compositions, and preemption/recomputation. Unseeded rows share the sampler's ge
 Logprobs are those of the raw model distribution (log_softmax of the logits as the model returned
 them, before penalties, temperature and filtering), like vLLM's default `raw_logprobs`: they
 describe the model rather than the sampling settings. The sampled token's logprob and rank
-(1 + number of tokens with a strictly larger logprob) come first, then the top-n.
+(the number of tokens whose logprob is at least as large, its own included: vLLM's rule) come
+first, then the top-n.
 """
 
 from __future__ import annotations

@@ -219,6 +219,14 @@ def test_utility_calls(client):
     with pytest.raises(NotImplementedError, match="cannot encode"):
         client.call_utility("echo", object())
     assert len(client._pending) == pending and not client.is_dead
+    # Arguments msgpack carries but the engine's input thread cannot take apart: that call
+    # fails, the thread goes on (its death had left every later call unanswered).
+    deep: object = 7
+    for _ in range(700):
+        deep = [deep]
+    with pytest.raises(UtilityError, match="nested too deeply"):
+        client.call_utility("echo", deep)
+    assert client.call_utility("echo", 7) == 7 and not client.is_dead
     # Array arguments and results outlive the receive that brought them (16 MB through a 4 MiB
     # ring: later calls reuse the ring space of earlier ones).
     arrays = [np.full(100_000, i, dtype=np.int32) for i in range(40)]
@@ -314,7 +322,7 @@ def test_preemption_keeps_greedy_output(kv, tokenizer):
         assert outs[8][f"r{i}"][0] == outs[512][f"r{i}"][0]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_engine_death_is_reported_within_a_second(sig, tokenizer):
     before = shm_entries()
     c = SyncMPClient(config(num_kv_blocks=64))
@@ -354,18 +362,19 @@ def test_engine_death_is_reported_within_a_second(sig, tokenizer):
     assert shm_entries() <= before
 
 
-def test_a_serving_engine_leaves_ctrl_c_to_its_frontend(capfd):
-    """A terminal's Ctrl-C reaches the whole process group: a serving engine ignores it (chat
-    stops a reply and goes on; it had lost its engine to the same keypress), and a signal that
-    arrives while the engine shuts down is ignored too (it had raised inside torch's atexit
-    callbacks). In the frontend, signals are left to the main thread."""
+def test_a_terminal_ctrl_c_is_the_frontends_and_a_signal_in_shutdown_is_ignored(capfd):
+    """A terminal's Ctrl-C reaches the foreground process group, which the engine is not in (its
+    own group: chat stops a reply and goes on, and had lost its engine to the same keypress);
+    SIGINT sent to the engine itself shuts it down (the test above). A signal that arrives while
+    the engine shuts down is ignored (it had raised inside torch's atexit callbacks). In the
+    frontend, signals are left to the main thread."""
     for delay in (None, 0.0, 0.003, 0.02):
         client = SyncMPClient(EngineConfig(dtype=DTYPE, num_kv_blocks=64))
         pid = client.proc.pid
+        assert os.getpgid(pid) == pid != os.getpgrp()  # out of the terminal's Ctrl-C
         blocked = blocked_signals(client._receiver.native_id)
         assert blocked >> (signal.SIGINT - 1) & 1 and blocked >> (signal.SIGTERM - 1) & 1
-        if delay is None:  # serving: Ctrl-C changes nothing
-            os.kill(pid, signal.SIGINT)
+        if delay is None:
             client.add_request(request("r", [1, 2, 3], max_tokens=2))
             assert collect(client, {"r"})["r"] and client.proc.poll() is None
         timer = threading.Timer(delay or 0.0, os.kill, (pid, signal.SIGINT))

@@ -245,6 +245,13 @@ def test_a_request_that_fails_to_register_leaves_nothing_behind(tokenizer, monke
         proc.add_request("r", None, [1], SamplingParams(n=2))
     assert len(built) == 2 and not proc.has_unfinished() and not proc.states
     monkeypatch.setattr(output_processor, "IncrementalDetokenizer", real)
-    # Derived seeds wrap instead of overflowing the seed range.
-    children = proc.add_request("r", None, [1], SamplingParams(n=2, seed=(1 << 63) - 1))
-    assert [p.seed for _, p in children] == [(1 << 63) - 1, 0]
+    # Derived seeds are vLLM's seed + i, kept in the int64 range (the sampler reads them mod
+    # 2^64): child 0 of a negative seed draws as the request with n=1 does; -1 ("no seed") is
+    # not made.
+    for seed, seeds in [
+        ((1 << 63) - 1, [(1 << 63) - 1, -(1 << 63)]),
+        (-5, [-5, -4]),
+        (-2, [-2, (1 << 63) - 1]),
+    ]:
+        children = proc.add_request(f"r{seed}", None, [1], SamplingParams(n=2, seed=seed))
+        assert [p.seed for _, p in children] == seeds

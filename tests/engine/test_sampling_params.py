@@ -38,6 +38,15 @@ def test_invalid_values_name_their_field(kwargs: dict, field: str) -> None:
         SamplingParams(**kwargs)
 
 
+def test_only_temperature_zero_is_greedy_and_tiny_ones_sample_at_vllms_floor() -> None:
+    assert SamplingParams(temperature=0.0).greedy
+    for t in (1e-9, 1e-6, 1e-3):
+        sp = SamplingParams(temperature=t)
+        assert sp.temperature == 0.01 and not sp.greedy
+    assert SamplingParams(temperature=0.5).temperature == 0.5
+    assert SamplingParams(temperature=1.0, top_k=1).greedy
+
+
 def test_vllm_ranges_are_accepted() -> None:
     """vLLM takes any positive finite repetition penalty and any int64 seed."""
     assert SamplingParams(repetition_penalty=3.5).repetition_penalty == 3.5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing as mp
 import os
 import random
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from shm_engine.ipc import (
     ChannelClosedError,
     ChannelListener,
+    MalformedMessage,
     PeerDeadError,
     channel_pair,
     connect,
@@ -234,6 +236,16 @@ def test_a_signal_as_a_segment_is_created_leaves_no_name(
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert len(created_names) == 1  # the fixture checks it is not in /dev/shm
+
+
+def test_a_segment_dev_shm_cannot_hold_is_an_error_at_creation(created_names: list[str]) -> None:
+    """tmpfs reserves nothing at ftruncate, so a segment larger than /dev/shm's free space had
+    been a SIGBUS at the first touch of a page it could not back; now ENOSPC, leaving nothing."""
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="no room") as err:
+        segment.create(1 << 50)  # past any tmpfs
+    assert err.value.errno == errno.ENOSPC
+    assert len(created_names) == 1 and len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_a_name_left_by_a_sigkilled_creator_is_unlinked_by_the_next() -> None:
@@ -449,6 +461,31 @@ def test_a_send_interrupted_by_a_signal_handler_corrupts_nothing(alarm: Any, kin
     else:  # msgpack bin 16 bodies: 3 header bytes, then the payload
         assert [m[0][3:5] for m in got[:4]] == [b"m0", b"m1", b"m2", b"m3"]
         assert got[4:] == [[nxt], [b"tail"]]
+
+
+def test_an_interrupt_on_the_way_into_the_write_loop_leaves_the_message_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal handler's exception after the first C call wrote part of a fragmented message,
+    before the write loop's own bookkeeping (Python checks for signals as a function starts):
+    the message stays pending as after a timeout (it had left the next send a broken side)."""
+    a, b = channel_pair(4096)
+    real = type(a)._write
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        monkeypatch.setattr(type(a), "_write", real)
+        raise _Interrupt()
+
+    monkeypatch.setattr(type(a), "_write", interrupted)
+    big = children.payload(4, 3 * 4096)
+    with pytest.raises(_Interrupt):
+        a.send_bytes([big], timeout=0)
+    assert a.has_pending_send()
+    got: list = []
+    t = _drain_frames(b, got)
+    a.send_bytes([b"next"], timeout=5)
+    t.join(10)
+    assert got == [[big], [b"next"]]
 
 
 def test_a_receive_interrupted_while_assembling_resumes_the_message(alarm: Any) -> None:
@@ -706,6 +743,54 @@ def test_only_a_decode_error_consumes_the_message_being_decoded() -> None:
         b.recv(timeout=1)
     assert b.recv(timeout=1) == "first"
     assert b.recv(timeout=1) == "second"
+
+
+def test_a_message_nested_too_deeply_is_consumed_not_handed_back() -> None:
+    """msgspec raises RecursionError past ~1000 levels: a decode error like any other (it had
+    been handed back to the ring, failing every receive after it)."""
+    deep = b"\x91" * 5000 + b"\xc0"  # [[[...[nil]...]]]
+    a, b = channel_pair(1 << 16)
+    a.send_bytes([deep])
+    a.send_many(["first", "second"])
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        b.recv(timeout=1)
+    assert b.recv(timeout=1) == "first" and b.recv(timeout=1) == "second"
+    for frames in ([deep], [deep + b"\x00" * 40_000]):  # in a batch; fragmented
+        a.send_many(["before"])
+        a.send_bytes(frames)  # (larger than half the ring: fragments)
+        a.send_many(["after"])
+        got = []
+        while len(got) < 3:
+            got += b.recv_all(timeout=1)
+        assert got[0] == "before" and isinstance(got[1], MalformedMessage) and got[2] == "after"
+
+
+def test_a_receive_timeout_is_a_total_for_a_trickled_fragmented_message() -> None:
+    """A large message whose fragments come slowly: recv's timeout bounds the whole call, not
+    each wait for the next fragment (0.5 s had taken 2.95 s)."""
+    a, b = channel_pair(4096)
+    stop = threading.Event()
+    with pytest.raises(TimeoutError):
+        a.send(b"x" * 40_000, timeout=0)  # the first fragments only: the ring is full
+
+    def trickle() -> None:
+        while not stop.is_set() and a.has_pending_send():
+            with contextlib.suppress(TimeoutError):
+                a.flush(timeout=0)
+            time.sleep(0.2)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            b.recv(timeout=0.5)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        stop.set()
+        t.join()
+    a.close()
+    b.close()
 
 
 def _peer_uid_check_as(uid: int) -> None:

@@ -361,6 +361,31 @@ def test_large_lists_are_counted_and_refused_before_validation(fake) -> None:
         assert time.perf_counter() - t0 < 2
 
 
+def test_a_large_body_nested_too_deeply_is_a_400(fake) -> None:
+    """The screen of bodies over 1 MiB leaves a body msgspec cannot nest into (RecursionError)
+    to validation: a 400, not uvicorn's plain-text 500 with a traceback."""
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    pad = "a" * 1_100_000
+    deep = "[" * 5000 + "]" * 5000
+    for path, head in [
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": 1'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}]'),
+    ]:
+        body = f'{head}, "pad": "{pad}", "zz": {deep}}}'
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"], r.text[:200]
+
+
+def test_stream_options_need_stream(fake) -> None:
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "ab", None, lp=False)
+    body = {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={**body, "stream_options": None}).status_code == 200
+
+
 def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine(fake) -> None:
     client, engine = fake
     seen = []

@@ -322,6 +322,11 @@ def test_vllm_prompt_logprobs_field(server, model: str) -> None:
     echoed = choice["logprobs"]["token_logprobs"][: len(choice["prompt_logprobs"])]
     plp = choice["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(echoed) > 3
+    # echo with logprobs wider than prompt_logprobs: the field keeps the width asked for
+    wide = httpx.post(url, json={**body, "prompt_logprobs": 1, "echo": True, "logprobs": 4})
+    wide = wide.json()["choices"][0]
+    assert all(1 <= len(e) <= 2 for e in wide["prompt_logprobs"][1:])
+    assert all(len(t) >= 4 for t in wide["logprobs"]["top_logprobs"][1:])
     ids = httpx.post(url, json={**body, "prompt_logprobs": 0}).json()["choices"][0]
     for j, entry in enumerate(plp[1:], 1):
         assert 2 <= len(entry) <= 3 and all(e["rank"] >= 1 for e in entry.values())
