@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 
 _HF_MODEL_TYPES = {a: a for a in SUPPORTED_ARCHITECTURES}
+# transformers' defaults for a config.json without max_position_embeddings
+_HF_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
+                     "smollm3": 32768}  # fmt: skip
 # The architectures that slide only with use_sliding_window (Qwen2's rule).
 _OPT_IN_WINDOW_ARCHS = ("qwen2", "qwen3", "smollm3")
 # llama.cpp's SmolLM3 graph: every 4th layer has no RoPE (GGUF files do not say it)
@@ -189,7 +192,9 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(
+                cfg.get("max_position_embeddings", _HF_MAX_POSITIONS[arch])
+            ),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "smollm3")),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             bos_token_id=cfg.get("bos_token_id"),
@@ -392,7 +397,7 @@ def _hf_sliding_window(cfg: Mapping[str, Any], arch: str, num_layers: int) -> in
     max_window_layers on (or as `layer_types` says). One window for all layers is what the
     kernels compute, so a mix of full and sliding layers is refused rather than run wrong.
     """
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096)  # transformers' default, where the key is left out
     if arch == "llama" or not window:
         return None
     if arch in _OPT_IN_WINDOW_ARCHS and not cfg.get("use_sliding_window", False):

@@ -294,7 +294,7 @@ class GGUFWeights(WeightSource):
 
 def load_gguf(path: str | Path) -> LoadedModel:
     path = Path(path)
-    reader, config, tokenizer = read_gguf_info(path)
+    reader, config, tokenizer, _ = read_gguf_info(path)
     weights = GGUFWeights(reader, config)
     check_weights(config, weights, str(path))
     return LoadedModel(

@@ -15,8 +15,19 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize as gguf_dequantize
 
+from ..sampling_params import SamplingParams
 from .config import ModelConfig
 from .tokenizer import Tokenizer
+
+# llama.cpp's general.sampling.* keys that name a request field: its defaults for requests
+# that leave the field unset, as generation_config.json's are in a Hugging Face directory
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 
 _U64 = struct.Struct("<Q")
 
@@ -137,8 +148,24 @@ def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     }
 
 
-def read_gguf_info(path: Path) -> tuple[GGUFReader, ModelConfig, Tokenizer]:
-    """Open a GGUF file and parse its config and tokenizer; the reader keeps the tensors."""
+def gguf_sampling_defaults(meta: dict[str, Any], path: Path) -> dict[str, float | int]:
+    """The sampling defaults a GGUF file's metadata carries ({} for most files)."""
+    out: dict[str, float | int] = {}
+    for key, name in _SAMPLING_KEYS.items():
+        if (value := meta.get(key)) is not None:
+            out[name] = int(value) if name == "top_k" else float(value)
+    try:
+        SamplingParams(**out)  # values a request could not take fail at load, not per request
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return out
+
+
+def read_gguf_info(
+    path: Path,
+) -> tuple[GGUFReader, ModelConfig, Tokenizer, dict[str, float | int]]:
+    """Open a GGUF file and parse its config, tokenizer and sampling defaults; the reader keeps
+    the tensors."""
     try:
         reader = read_gguf(path)
     except (ValueError, IndexError, struct.error) as e:  # numpy's name neither file nor cause
@@ -147,6 +174,14 @@ def read_gguf_info(path: Path) -> tuple[GGUFReader, ModelConfig, Tokenizer]:
         # The dequantizers read little-endian bytes: a big-endian file would load as garbage.
         raise NotImplementedError(f"{path}: big-endian GGUF files are not supported")
     meta = gguf_metadata(reader)
+    if int(meta.get("split.count", 1)) > 1:
+        # One shard holds some of the tensors: it would fail as "missing tensors", and a tied
+        # LM head would be guessed from output.weight's absence there.
+        raise NotImplementedError(
+            f"{path}: shard {int(meta.get('split.no', 0)) + 1} of a GGUF split into "
+            f"{int(meta['split.count'])} files; merge them into one first "
+            "(llama.cpp: llama-gguf-split --merge FIRST_SHARD OUT.gguf)"
+        )
     by_name = {t.name: t for t in reader.tensors}
     embed = by_name.get("token_embd.weight")
     if embed is None:
@@ -163,5 +198,6 @@ def read_gguf_info(path: Path) -> tuple[GGUFReader, ModelConfig, Tokenizer]:
         rope_freq_factors=rope_factors,
     )
     tokenizer = Tokenizer.from_gguf_metadata(meta)
+    defaults = gguf_sampling_defaults(meta, path)
     reader.fields.clear()  # ~250k small arrays (the vocabulary); everything needed is parsed
-    return reader, config, tokenizer
+    return reader, config, tokenizer, defaults

@@ -171,8 +171,8 @@ def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:
         return ModelInfo(config, tokenizer, p, fmt, read_sampling_defaults(p))
     from .gguf_metadata import read_gguf_info
 
-    _, config, tokenizer = read_gguf_info(p)
-    return ModelInfo(config, tokenizer, p, fmt)
+    _, config, tokenizer, defaults = read_gguf_info(p)
+    return ModelInfo(config, tokenizer, p, fmt, defaults)
 
 
 def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:

@@ -164,6 +164,7 @@ class Tokenizer:
         add_bos_token: bool = False,
         pad_token_id: int | None = None,
         unk_token_id: int | None = None,
+        tool_chat_template: str | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
@@ -172,8 +173,12 @@ class Tokenizer:
         self.unk_token_id = unk_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
+        # the model's template for requests with tools, where it has one apart (transformers'
+        # named "tool_use" template, llama.cpp's tokenizer.chat_template.tool_use)
+        self.tool_chat_template = tool_chat_template
         self.add_bos_token = add_bos_token
-        self._template: tuple[jinja2.Template, bool] | None = None  # and whether it wants parts
+        # compiled templates (default, tool_use), each with whether it wants content parts
+        self._templates: dict[str, tuple[jinja2.Template, bool]] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -191,15 +196,7 @@ class Tokenizer:
             )
         backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
         tcfg = _read_json(path / "tokenizer_config.json")
-        template = tcfg.get("chat_template")
-        if isinstance(template, list):  # named templates: use "default"
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja_file = path / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
-        if template is None:
-            template = _read_json(path / "chat_template.json").get("chat_template")
+        templates = _hf_chat_templates(path, tcfg)
 
         def token_id(entry: Any) -> int | None:
             if isinstance(entry, dict):
@@ -217,7 +214,8 @@ class Tokenizer:
             backend,
             bos_token_id=token_id(tcfg.get("bos_token")),
             eos_token_ids=eos,
-            chat_template=template,
+            chat_template=templates.get("default") or next(iter(templates.values()), None),
+            tool_chat_template=templates.get("tool_use"),
             # the post-processor in tokenizer.json already adds BOS where the model wants it
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
             pad_token_id=token_id(tcfg.get("pad_token")),
@@ -284,6 +282,7 @@ class Tokenizer:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos,
             chat_template=meta.get("tokenizer.chat_template"),
+            tool_chat_template=meta.get("tokenizer.chat_template.tool_use"),
             add_bos_token=add_bos,
             pad_token_id=_opt_id(meta.get("tokenizer.ggml.padding_token_id"), len(tokens)),
             unk_token_id=_opt_id(meta.get("tokenizer.ggml.unknown_token_id"), len(tokens)),
@@ -302,7 +301,12 @@ class Tokenizer:
         for key, tid in (("pad_token", self.pad_token_id), ("unk_token", self.unk_token_id)):
             if tid is not None:
                 cfg[key] = self.backend.id_to_token(tid)
-        if self.chat_template is not None:
+        if self.tool_chat_template is not None:
+            cfg["chat_template"] = [
+                {"name": "default", "template": self.chat_template},
+                {"name": "tool_use", "template": self.tool_chat_template},
+            ]
+        elif self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
         if len(self.eos_token_ids) > 1:
@@ -368,7 +372,16 @@ class Tokenizer:
         ``continue_final_message``: the text ends inside the last message, for the model to go
         on with it (transformers' rule: a tag after its text marks where to cut).
         """
-        template, wants_parts = self._compiled(chat_template)
+        # transformers' variables: tools and documents always defined (None unless given), the
+        # special tokens the model has
+        kwargs.setdefault("tools", None)
+        kwargs.setdefault("documents", None)
+        for name, tid in (("pad_token", self.pad_token_id), ("unk_token", self.unk_token_id)):
+            if tid is not None:
+                kwargs.setdefault(name, self.backend.id_to_token(tid))
+        template, wants_parts = self._compiled(
+            chat_template, with_tools=kwargs["tools"] is not None
+        )
         rendered = [_for_template(m, wants_parts) for m in messages]
         if continue_final_message:
             if add_generation_prompt:
@@ -390,14 +403,38 @@ class Tokenizer:
             raise ValueError("continue_final_message: the template does not show the final message")
         return text[:cut] if text.startswith(_CONTINUE_TAG, cut) else text[:cut].rstrip()
 
-    def _compiled(self, override: str | None) -> tuple[jinja2.Template, bool]:
+    def _compiled(self, override: str | None, with_tools: bool) -> tuple[jinja2.Template, bool]:
         if override is not None:
             return _compile_chat_template(override)
-        if self._template is None:
-            if not self.chat_template:
+        name = "tool_use" if with_tools and self.tool_chat_template else "default"
+        if name not in self._templates:
+            source = self.tool_chat_template if name == "tool_use" else self.chat_template
+            if not source:
                 raise ValueError("this model has no chat template; pass chat_template explicitly")
-            self._template = _compile_chat_template(self.chat_template)
-        return self._template
+            self._templates[name] = _compile_chat_template(source)
+        return self._templates[name]
+
+
+def _hf_chat_templates(path: Path, tcfg: Mapping[str, Any]) -> dict[str, str]:
+    """A Hugging Face directory's chat templates by name, in transformers' order of precedence:
+    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja over
+    tokenizer_config.json's ``chat_template`` (one, or a list of named ones); the legacy
+    chat_template.json only when there is nothing else."""
+    named: dict[str, str] = {}
+    listed = tcfg.get("chat_template")
+    if isinstance(listed, list):
+        named.update(
+            {t["name"]: t["template"] for t in listed if t.get("name") and t.get("template")}
+        )
+    elif listed:
+        named["default"] = listed
+    if (path / "chat_template.jinja").is_file():
+        named["default"] = (path / "chat_template.jinja").read_text()
+    for file in sorted((path / "additional_chat_templates").glob("*.jinja")):
+        named[file.stem] = file.read_text()
+    if not named and (legacy := _read_json(path / "chat_template.json").get("chat_template")):
+        named["default"] = legacy
+    return named
 
 
 def content_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:

@@ -187,11 +187,15 @@ def write_tiny_gguf(
     weights: dict[str, torch.Tensor],
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     rope_freqs: np.ndarray | None = None,
+    extra_meta: dict[str, int | float] | None = None,
 ) -> Path:
     """Write a GGUF like llama.cpp's converter: metadata, permuted Q/K, matrices in `qtype`,
-    and Llama 3's RoPE divisors as `rope_freqs.weight` if given."""
+    and Llama 3's RoPE divisors as `rope_freqs.weight` if given (`extra_meta`: more keys, ints as
+    uint16, floats as float32)."""
     arch = config.architecture
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (extra_meta or {}).items():
+        (w.add_uint16 if isinstance(value, int) else w.add_float32)(key, value)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)

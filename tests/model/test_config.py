@@ -98,6 +98,23 @@ def test_sliding_window_applies_to_the_layers_transformers_slides() -> None:
     assert llama.sliding_window is None
 
 
+def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_architecture() -> None:
+    bare = {k: v for k, v in QWEN2_CONFIG.items() if k not in ("max_position_embeddings",
+                                                                 "sliding_window")}  # fmt: skip
+    assert ModelConfig.from_hf_config(bare).max_position_embeddings == 32768
+    assert (
+        ModelConfig.from_hf_config(dict(bare, model_type="llama")).max_position_embeddings == 2048
+    )
+    mistral = ModelConfig.from_hf_config(dict(bare, model_type="mistral", attention_bias=False))
+    assert mistral.max_position_embeddings == 131072 and mistral.sliding_window == 4096
+    assert (
+        ModelConfig.from_hf_config(
+            dict(bare, model_type="mistral", sliding_window=None)
+        ).sliding_window
+        is None
+    )
+
+
 def test_rejects_unknown_architecture() -> None:
     with pytest.raises(ValueError, match="unsupported"):
         ModelConfig.from_hf_config(dict(QWEN2_CONFIG, model_type="gpt_neox"))

@@ -430,6 +430,38 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused(tmp_path: Path) -> 
     assert ModelRunner(EngineConfig(model=str(path), num_kv_blocks=4)).max_model_len == 64
 
 
+def test_a_shard_of_a_split_gguf_says_so(tmp_path: Path) -> None:
+    """llama.cpp's split files: a shard names itself, not its missing tensors."""
+    config = tiny_config()
+    path = write_tiny_gguf(
+        tmp_path / "m-00001-of-00002.gguf",
+        config,
+        tiny_weights(config),
+        extra_meta={"split.no": 0, "split.count": 2},
+    )
+    with pytest.raises(NotImplementedError, match="shard 1 of a GGUF split into 2 files"):
+        load_model_info(path)
+
+
+def test_a_ggufs_sampling_keys_are_its_defaults(tmp_path: Path) -> None:
+    """llama.cpp's general.sampling.* keys, as generation_config.json's in an HF directory."""
+    config = tiny_config()
+    keys = {"general.sampling.temp": 0.5, "general.sampling.top_k": 20}
+    keys["general.sampling.penalty_repeat"] = 1.25
+    path = write_tiny_gguf(tmp_path / "m.gguf", config, tiny_weights(config), extra_meta=keys)
+    assert load_model_info(path).sampling_defaults == {
+        "temperature": 0.5, "top_k": 20, "repetition_penalty": 1.25
+    }  # fmt: skip
+    bad = write_tiny_gguf(
+        tmp_path / "bad.gguf",
+        config,
+        tiny_weights(config),
+        extra_meta={"general.sampling.top_p": 2.0},
+    )
+    with pytest.raises(ValueError, match="top_p"):
+        load_model_info(bad)
+
+
 def test_a_truncated_gguf_is_a_value_error_wherever_it_is_cut(tmp_path: Path) -> None:
     """The embedded model's header cut at many places: always ValueError naming the file (a cut
     inside the vocabulary's length words had raised struct.error)."""

@@ -386,6 +386,55 @@ def test_chat_template_generation_tag_renders_its_body() -> None:
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "hi|yo"
 
 
+def _hf_dir(path: Path, tok: Tokenizer, config_template: object, files: dict[str, str]) -> Path:
+    tok.save_hf(path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = config_template
+    cfg["pad_token"] = tok.backend.id_to_token(0)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for name, text in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    return path
+
+
+def test_chat_templates_are_chosen_as_transformers_chooses_them(tmp_path: Path) -> None:
+    """chat_template.jinja over tokenizer_config.json's; the named "tool_use" template (a
+    tokenizer_config list, additional_chat_templates/tool_use.jinja, or GGUF's
+    tokenizer.chat_template.tool_use) for requests with tools; tools and documents always
+    defined, and the special tokens the model has."""
+    base = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata())
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    show = "{{ messages[0].content }} {{ tools|tojson }} {{ documents is none }} {{ pad_token }}"
+
+    tok = Tokenizer.from_hf_dir(
+        _hf_dir(tmp_path / "a", base, "CONFIG", {"chat_template.jinja": "JINJA " + show})
+    )
+    assert tok.apply_chat_template(msgs) == f"JINJA hi null True {base.backend.id_to_token(0)}"
+
+    named = [{"name": "default", "template": "DEFAULT"}, {"name": "tool_use", "template": "TOOL"}]
+    tok = Tokenizer.from_hf_dir(_hf_dir(tmp_path / "b", base, named, {}))
+    assert tok.apply_chat_template(msgs) == "DEFAULT"
+    assert tok.apply_chat_template(msgs, tools=tools) == "TOOL"
+    assert tok.apply_chat_template(msgs, tools=tools, chat_template="MINE") == "MINE"
+    tok.save_hf(tmp_path / "b2")  # and back: both templates, named
+    again = Tokenizer.from_hf_dir(tmp_path / "b2")
+    assert again.chat_template == "DEFAULT" and again.tool_chat_template == "TOOL"
+
+    extra = {"additional_chat_templates/tool_use.jinja": "EXTRA {{ tools|length }}"}
+    tok = Tokenizer.from_hf_dir(_hf_dir(tmp_path / "c", base, "CONFIG", extra))
+    assert tok.apply_chat_template(msgs) == "CONFIG"
+    assert tok.apply_chat_template(msgs, tools=tools) == "EXTRA 1"
+
+    meta = tiny_tokenizer_metadata()
+    meta["tokenizer.chat_template"] = "PLAIN"
+    meta["tokenizer.chat_template.tool_use"] = "GGUF TOOLS"
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.apply_chat_template(msgs) == "PLAIN"
+    assert tok.apply_chat_template(msgs, tools=tools) == "GGUF TOOLS"
+
+
 def test_end_of_generation_tokens_stop_as_in_llama_cpp() -> None:
     # EOS first (the template's eos_token), then the file's EOM and the tokens llama.cpp
     # treats as end of generation by their text, whatever the EOS key says.
