@@ -423,7 +423,8 @@ class PackedLinear:
         """Pack an [n, k] matrix from GGUF Q8_0 blocks, ``rows(a, b)`` giving rows a .. b - 1's
         (uint8 [b - a, k / 32 * 34]: per 32 weights an fp16 scale d and 32 int8 q, w = d q),
         keeping the file's values exactly; None where a q is -128 (the kernels' weights lie in
-        -127 .. 127: pack the floats instead).
+        -127 .. 127) or a scale is negative (the W8 layout's scales are magnitudes, as its
+        packer makes them: the lookup and unpack read them so): pack the floats instead.
 
         NOTE: the W8 layout holds a group's 32 int8 of a channel as 8 words of 4 bytes in k
         order (shmk_dequant_channels), so the bytes only move in words; the scales are the
@@ -449,7 +450,7 @@ class PackedLinear:
         dmax = 0.0
         for a, b in spans:
             q, d = chunk(a, b)
-            if int(q.min()) == -128:
+            if int(q.min()) == -128 or bool((d < 0).any()):
                 return None
             if not bool(torch.isfinite(d).all()):
                 raise ValueError("Q8_0 scales must be finite")
@@ -840,7 +841,10 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
         )
     nb, hk, rows, d = k_cache.shape
     check_kv_dtype(k_cache.dtype, d)
-    return nb, hk, kv_block_size(rows, d, k_cache.dtype), d
+    bs = kv_block_size(rows, d, k_cache.dtype)
+    if min(nb, hk, bs, d) < 1:
+        raise ValueError(f"the cache must have no empty dimension, got {tuple(k_cache.shape)}")
+    return nb, hk, bs, d
 
 
 def _kv_struct(k_cache: torch.Tensor, v_cache: torch.Tensor):
@@ -1153,8 +1157,7 @@ class LlamaStack:
 
 def llama_forward(stack: LlamaStack, step: LayerStep, hidden: torch.Tensor) -> None:
     """Every layer of ``stack`` in order, in one native call; ``hidden`` [t, hidden] in place."""
-    if hidden.dtype != torch.float32 or not hidden.is_contiguous():
-        raise ValueError("hidden must be a contiguous float32 tensor")
+    _check(hidden, "hidden", torch.float32, 2)
     if tuple(hidden.shape) != (step.t, stack.hidden):
         raise ValueError(f"hidden must be [{step.t}, {stack.hidden}], got {tuple(hidden.shape)}")
     if (step.num_blocks, step.block_size) != (stack.num_blocks, stack.block_size):

@@ -188,6 +188,8 @@ def mask_rows(
     Returns each masked row's argmax (int64; first index of the largest, NaN as -inf), found
     while the row is in cache (argmax_rows' call on the kernel pool costs ~0.1 ms)."""
     addr, b, v, stride = _logits_view(logits)
+    if isinstance(logits, np.ndarray) and not logits.flags.writeable:
+        raise ValueError("logits must be writable (they are masked in place)")
     masks = np.ascontiguousarray(masks, dtype=np.int32)
     rows_arr = np.ascontiguousarray(rows, dtype=np.int64)
     if masks.ndim != 2 or masks.shape[0] != rows_arr.shape[0] or masks.shape[1] * 32 < v:

@@ -637,3 +637,6 @@ def test_mask_rows_refuses_bad_shapes() -> None:
     with pytest.raises(ValueError, match="overlap"):  # stride 0: rows share memory
         sample_native.mask_rows(base[:8].expand(4, -1), [3], np.zeros((1, 1), dtype=np.int32))
     assert not base.isinf().any()
+    frozen = np.frombuffer(b"\0" * 256, dtype=np.float32).reshape(1, 64)
+    with pytest.raises(ValueError, match="writable"):  # it had written -inf into the bytes
+        sample_native.mask_rows(frozen, [0], np.zeros((1, 2), dtype=np.int32))

@@ -164,6 +164,11 @@ def test_q8_0_blocks_the_kernels_cannot_hold_are_left_to_the_float_path() -> Non
     assert _q8_0(blocks) is not None
     blocks[17, 7] = 0x80  # a q of -128, in the second chunk
     assert _q8_0(blocks) is None
+    # a negative scale (ggml writes none): the layout's scales are magnitudes (the lookup and
+    # unpack read them so, and had given the row's sign flipped)
+    blocks = torch.from_numpy(quantize(np.ones((20, 32), np.float32), Q.Q8_0).copy())
+    blocks[3, 1] |= 0x80  # the fp16 d's sign bit
+    assert _q8_0(blocks) is None
     with pytest.raises(ValueError, match="blocks must have shape"):
         kernels.PackedLinear.from_q8_0(20, 32, lambda a, b: blocks[a:b, :30].contiguous())
     with pytest.raises(ValueError, match="multiple of 32"):

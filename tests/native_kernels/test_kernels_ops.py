@@ -661,6 +661,16 @@ def test_argmax_rows(path, m, n):
     assert m == 1 or got[-1].item() == 0
 
 
+def test_a_cache_with_an_empty_dimension_is_refused():
+    """Block size 0 had divided by zero in the step check (SIGFPE), not raised."""
+    empty = torch.zeros(2, 1, 0, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="empty dimension"):
+        K.paged_attention(
+            torch.zeros(1, 1, 8), empty, empty.clone(), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1.0,
+        )  # fmt: skip
+
+
 def test_argmax_rows_rejects_bad_input():
     with pytest.raises(ValueError, match="columns"):
         K.argmax_rows(torch.empty(2, 0))
