@@ -170,6 +170,8 @@ def launch_engines(count: int) -> list[EngineLaunch]:
     none for more replicas than this process has cores (ValueError)."""
     from shm_engine.engine.dp_client import split_cores  # (dp_client imports this module)
 
+    if count < 1:
+        raise ValueError(f"engine count must be at least 1, got {count}")
     if count > 1:
         split_cores(count)
     launches: list[EngineLaunch] = []

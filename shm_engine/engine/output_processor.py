@@ -120,6 +120,9 @@ class _ParentState:
         )
 
 
+_RETIRED_KEPT = 4096  # ended requests' engine ids remembered (a reuse long after is safe anyway)
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     """Engine-side id of completion ``index``; a single completion keeps the user's id."""
     return request_id if n == 1 else f"{index}_{request_id}"
@@ -138,6 +141,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}  # engine id -> child
         self.parents: dict[str, _ParentState] = {}
+        # engine ids of requests that ended here, newest last: the engine may still send the
+        # tokens it produced before their abort, so a new request reusing the user's id runs
+        # under another engine id (vLLM makes its internal ids unique for the same reason)
+        self._retired: dict[str, None] = {}
+        self._reuses = 0
         self._decoded: dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
 
     def add_request(
@@ -161,6 +169,9 @@ class OutputProcessor:
                 seed = None if params.seed is None else child_seed(params.seed, i)
                 child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
             eid = child_request_id(request_id, i, params.n)
+            if eid in self._retired:
+                self._reuses += 1
+                eid = f"{eid}@reuse{self._reuses}"
             state = _RequestState(
                 eid,
                 parent,
@@ -198,10 +209,16 @@ class OutputProcessor:
         if parent is None:
             return None
         for c in parent.children:
-            self.states.pop(c.engine_id, None)
+            self._retire(c.engine_id)
             if not c.completion.finished():
                 c.completion.finish_reason = reason
         return parent.output()
+
+    def _retire(self, engine_id: str) -> None:
+        self.states.pop(engine_id, None)
+        self._retired[engine_id] = None
+        if len(self._retired) > _RETIRED_KEPT:
+            del self._retired[next(iter(self._retired))]
 
     def process(self, out: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's outputs; returns updated requests and engine ids to abort (stop strings)."""
@@ -263,7 +280,7 @@ class OutputProcessor:
                 parent.metrics.finished_time = now
                 self.parents.pop(parent.request_id, None)
                 for c in parent.children:
-                    self.states.pop(c.engine_id, None)
+                    self._retire(c.engine_id)
             results.append(parent.output())
         return results, to_abort
 

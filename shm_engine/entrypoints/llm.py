@@ -65,6 +65,10 @@ class LLM:
 
         engine_args.update(speculative_args(speculative_config))
         self.config = EngineConfig(model=model, **engine_args)
+        if data_parallel_size < 1 or (in_process and data_parallel_size != 1):
+            raise ValueError(
+                f"data_parallel_size must be at least 1 (1 with in_process), got {data_parallel_size}"
+            )
         resolve_model_path(model)  # a missing model fails here, before an engine is spawned
         # NOTE: the engine processes (one a replica) start first; this one reads only the
         # config and tokenizer (no torch, no weights: ~0.45 s of the GGUF's vocabulary) while

@@ -795,6 +795,9 @@ def test_llm_on_an_unreadable_model_raises_the_read_error(tmp_path):
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="replicas need"):
         LLM(dtype=DTYPE, num_kv_blocks=32, data_parallel_size=cores + 1)
+    for size, in_process in ((0, False), (-3, False), (2, True)):  # had run one engine quietly
+        with pytest.raises(ValueError, match="data_parallel_size must be"):
+            LLM(dtype=DTYPE, num_kv_blocks=32, data_parallel_size=size, in_process=in_process)
     assert set(psutil.Process().children()) <= children
     assert shm_entries() <= before
 

@@ -134,6 +134,20 @@ def test_n_completions_fan_out_with_derived_seeds_and_merge_back(tokenizer):
         proc.add_request("x", None, [1], SamplingParams())
 
 
+def test_a_user_id_reused_after_its_request_ended_runs_under_a_new_engine_id(tokenizer):
+    """The engine may still send tokens of an aborted (or stop-string-ended) request: a new
+    request reusing the user's id must not take them (4 of 20 AsyncLLM reuses had)."""
+    proc = OutputProcessor(tokenizer)
+    assert [eid for eid, _ in proc.add_request("same", "p", [1], SamplingParams())] == ["same"]
+    proc.abort("same")
+    ((eid, _),) = proc.add_request("same", "p", [1], SamplingParams(max_tokens=4))
+    assert eid != "same"
+    results, _ = proc.process(step({"same": 7}))  # the old request's late token
+    assert results == []
+    results, _ = proc.process(step({eid: 9}, {eid: "length"}))
+    assert results[0].request_id == "same" and results[0].outputs[0].token_ids == [9]
+
+
 @pytest.mark.parametrize(("first", "second"), [(("x", 2), ("0_x", 1)), (("0_x", 1), ("x", 2))])
 def test_user_ids_whose_engine_ids_collide_are_refused(tokenizer, first, second):
     # "x" with n = 2 runs as "0_x" and "1_x": a lone "0_x" must not take one of them over.
