@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import signal
+import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -280,15 +282,21 @@ class LLM:
 
     def _pump(self) -> None:
         """One engine step's outputs, processed into ``_latest``; stop-string hits are aborted
-        in the engine."""
-        out = self.client.get_output(timeout=1.0)
-        if out is None:
-            return
-        results, to_abort = self.processor.process(out)
-        if to_abort:
-            self.client.abort_requests(to_abort)
-        for r in results:
-            self._latest[r.request_id] = r
+        in the engine.
+
+        NOTE: a Ctrl-C between taking a step's output off the queue and storing what it made
+        lost that step for every request in flight (a stream paused meanwhile could miss text,
+        or wait forever for the finish it held): it is held until the step is stored, and the
+        wait is short, so Ctrl-C still acts within ~0.1 s."""
+        with _ctrl_c_held():
+            out = self.client.get_output(timeout=0.1)
+            if out is None:
+                return
+            results, to_abort = self.processor.process(out)
+            for r in results:
+                self._latest[r.request_id] = r
+            if to_abort:
+                self.client.abort_requests(to_abort)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
@@ -350,3 +358,23 @@ def _cache_salt(prompt: PromptType) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError("cache_salt must be a non-empty string")
     return salt
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Ctrl-C (SIGINT under Python's own handler, in the main thread) raised only once the
+    block is done; elsewhere, or under a handler of the application's, nothing changes."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if pressed:
+            raise KeyboardInterrupt

@@ -578,6 +578,24 @@ def test_llm_stream_paused_while_generate_runs_still_ends():
                 llm.generate(["a", prompt], params, use_tqdm=False)
             assert not llm.processor.has_unfinished()
         assert llm.get_stats().num_running + llm.get_stats().num_waiting == 0
+        # Ctrl-C as generate() processes a step: raised once the step is stored, so the paused
+        # stream loses nothing (that step had been lost for every request; a lost finish had
+        # left the stream waiting forever).
+        stream = llm.stream("Hello", params)
+        first = next(stream)
+        real = llm.processor.process
+
+        def pressed_ctrl_c(out):
+            os.kill(os.getpid(), signal.SIGINT)
+            return real(out)
+
+        llm.processor.process = pressed_ctrl_c
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(["1, 2, 3,"], SamplingParams(max_tokens=20), use_tqdm=False)
+        finally:
+            llm.processor.process = real
+        assert first + "".join(stream) == whole
     finally:
         llm.shutdown()
 
