@@ -288,3 +288,13 @@ _FLOAT_FIELDS = (
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 _INT_LIMIT = 1 << 63  # what msgpack and the engine's int64 take
+
+
+def checked_defaults(defaults: dict[str, float | int], source: object) -> dict[str, float | int]:
+    """A model's request defaults (generation_config.json, GGUF general.sampling.*), refused
+    at load, naming ``source``, when a request could not take them (not per request)."""
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    return defaults

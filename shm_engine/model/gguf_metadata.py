@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize as gguf_dequantize
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import checked_defaults
 from .config import ModelConfig
 from .tokenizer import Tokenizer
 
@@ -154,11 +154,7 @@ def gguf_sampling_defaults(meta: dict[str, Any], path: Path) -> dict[str, float 
     for key, name in _SAMPLING_KEYS.items():
         if (value := meta.get(key)) is not None:
             out[name] = int(value) if name == "top_k" else float(value)
-    try:
-        SamplingParams(**out)  # values a request could not take fail at load, not per request
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    return out
+    return checked_defaults(out, path)
 
 
 def read_gguf_info(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shm_engine.sampling_params import SamplingParams
+from shm_engine.sampling_params import checked_defaults
 
 from .config import ModelConfig
 from .tokenizer import Tokenizer
@@ -39,11 +39,7 @@ def read_sampling_defaults(path: Path) -> dict[str, float | int]:
         if isinstance(max_new, bool) or not isinstance(max_new, int):
             raise ValueError(f"{file}: max_new_tokens must be an integer, got {max_new!r}")
         out["max_tokens"] = max_new
-    try:
-        SamplingParams(**out)  # values a request could not take fail at load, not per request
-    except ValueError as e:
-        raise ValueError(f"{file}: {e}") from None
-    return out
+    return checked_defaults(out, file)
 
 
 def read_hf_info(path: Path) -> tuple[ModelConfig, Tokenizer]:
