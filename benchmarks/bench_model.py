@@ -7,9 +7,8 @@
   weights); where the model's 4-bit layers run on 8-bit activations (W4 x A8, the default
   ``--activation-dtype auto``), also for them on int16 ones (`a16_` keys, exact W4);
   where ``--weight-dtype auto`` (the engine's default) packs layers in 4 bits, also for the
-  all-int8 model (`w8_` keys); where it packs W8 on a file's 4-bit layers (paths vnni and amx,
-  whose W4 kernels are not timed yet), also for W4 on int16 and on 8-bit activations (`w4_`,
-  `w4a8_` keys);
+  all-int8 model (`w8_` keys); where it packs W8 on a file's 4-bit layers (path amx, whose
+  tiles run W8 only), also for W4 on int16 and on 8-bit activations (`w4_`, `w4a8_` keys);
 - peak RSS of a fresh process that loads the model as measured (KV cache excluded).
 
     python -m benchmarks.bench_model [--json PATH] [--quick] [--kv-cache-dtype int8]
@@ -128,7 +127,7 @@ def main() -> int:
         default="auto",
         choices=["auto", "int8", "int4"],
         help="the layers' weights, as the engine's option (auto: int4 for a GGUF's Q4_0/Q4_1/"
-        "Q4_K matrices without VNNI); when auto gives int4, int8 is measured beside it (w8_ keys)",
+        "Q4_K matrices but on AMX); when auto gives int4, int8 is measured beside it (w8_ keys)",
     )
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM table")
@@ -188,12 +187,12 @@ def main() -> int:
         models["a8"] = int8_model("int8", "int8")
     if args.activation_dtype != "int16" and any(models["int8"].w4_linears):
         models["a16"] = int8_model("int16", args.weight_dtype)
-    # NOTE: where `auto` packs W8 for want of a timing (path vnni: W4 on the VNNI tiles and
-    # W4 x A8 on vpdpbusd, new and not timed there yet), both 4-bit forms beside it (w4_, w4a8_)
+    # NOTE: where `auto` packs W8 on a file's 4-bit layers (path amx: W8 takes the AMX tiles,
+    # W4 is not timed there), both 4-bit forms beside it (w4_, w4a8_)
     if (
         args.weight_dtype == "auto"
         and args.activation_dtype != "int8"
-        and machine["kernel_path"] in ("vnni", "amx")
+        and machine["kernel_path"] == "amx"
         and any(loaded.weights.stored_in_4bit_groups(n) for n in loaded.weights)
     ):
         models["w4"] = int8_model("int16", "int4")

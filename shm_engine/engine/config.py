@@ -41,7 +41,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     activation_dtype: str = "auto"
     # the int8 model's layer weights: "int8", "int4" (4-bit groups of 32, affine: ~0.6 of the
     # bytes a decode step streams) or "auto": int4 for the matrices a GGUF file holds as Q4_0 /
-    # Q4_1 / Q4_K (their own grids), where the kernel path has no AVX512-VNNI (docs/kernels.md)
+    # Q4_1 / Q4_K (their own grids), on every kernel path but "amx" (docs/kernels.md)
     weight_dtype: str = "auto"
     log_stats: bool = True
     # Speculative decoding by n-gram lookup (ngram_proposer.py): up to this many draft tokens

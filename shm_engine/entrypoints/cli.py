@@ -40,7 +40,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "int8", "int4"],
         help="the layers' weights (auto: int4 for a GGUF's Q4_0/Q4_1/Q4_K matrices, on their "
-        "own grids, where the CPU lacks AVX512-VNNI; int4 streams ~0.6 of int8's bytes a step)",
+        "own grids, but on AMX CPUs; int4 streams ~0.6 of int8's bytes a step)",
     )
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
     p.add_argument(

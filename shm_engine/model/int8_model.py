@@ -103,9 +103,8 @@ class Int8Llama:
         layers' weights in "int8" or "int4" (matrices a GGUF file holds as Q4_0 / Q4_1 / Q4_K
         packed from their grids, exact but for Q4_K's scales rounded to fp16; others fitted
         by ``PackedLinear.from_float(w4=True)``), or "auto": int4 for the matrices the file
-        holds that way, on kernel paths without AVX512-VNNI (there the W8 kernels had been
-        faster than W4 on the AVX2 code from a few rows; W4's VNNI tiles are not timed yet);
-        the embedding and LM head stay int8."""
+        holds that way, on every kernel path but "amx" (whose tiles run W8 only; W4 there is
+        not timed); the embedding and LM head stay int8."""
         # NOTE: the native attention has no window. Within the window a sliding-window model
         # attends to everything anyway, so it runs exactly up to that length (the runner caps
         # max_model_len there; forward() refuses longer sequences).
@@ -202,8 +201,10 @@ class Int8Llama:
         """Which of layer i's linears (LINEAR_SOURCES' keys) ``weight_dtype`` packs in 4 bits."""
         if self.weight_dtype == "int4":
             return frozenset(LINEAR_SOURCES)
-        # NOTE: smoothing rescales the weights off the file's grids
-        if self.weight_dtype == "int8" or self.smoothed or kernels.get_path() in ("vnni", "amx"):
+        # NOTE: smoothing rescales the weights off the file's grids. On path vnni W4 x A8 ran
+        # 1.2-1.5x the W8 x A16 model (benchmarks/RESULTS.md, 2026-12-08); on amx the W8
+        # layers take the AMX tiles from 9 rows, which W4 never does, and W4 is untimed there.
+        if self.weight_dtype == "int8" or self.smoothed or kernels.get_path() == "amx":
             return frozenset()
         if not isinstance(w, WeightSource):
             return frozenset()

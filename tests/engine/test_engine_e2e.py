@@ -91,11 +91,11 @@ def test_handshake_reports_the_cache(client):
     assert client.ready.vocab_size == 49152
     assert client.ready.eos_token_ids
     # what the engine packed, for the server's start-up log ("auto": SmolLM2's Q4_1 layers stay
-    # 4-bit on kernel paths without VNNI, their o, gate_up and down on 8-bit activations)
+    # 4-bit on every kernel path but amx, their o, gate_up and down on 8-bit activations)
     if DTYPE == "int8":
         from shm_engine.model import kernels
 
-        int4 = 0 if kernels.get_path() in ("vnni", "amx") else 120
+        int4 = 0 if kernels.get_path() == "amx" else 120
         act8 = int4 * 3 // 4
         assert f"{int4} of 120 layer matrices int4, {act8} on 8-bit" in client.ready.weights
 

@@ -357,7 +357,7 @@ def test_smollm2_int4_layers_on_8bit_activations(smollm, smollm_ref, smollm_int8
 
 def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
     """ "auto" packs in 4 bits exactly the matrices the source stores on 4-bit grids (all of a
-    packed matrix's parts), on paths without VNNI; a plain dict of tensors stays int8."""
+    packed matrix's parts), on every path but amx; a plain dict of tensors stays int8."""
     from shm_engine.model.loader import W4Grid, WeightSource
 
     config, weights = random_model()
@@ -398,11 +398,20 @@ def test_int8_llama_weight_dtype_auto_follows_the_source_and_path(monkeypatch):
         assert not layer.o.act8 and not layer.qkv.act8  # int8 weights
         int4 = Int8Llama(config, src, weight_dtype="int4", activation_dtype="int8")
         assert int4.layers[0].o.act8 and int4.layers[0].qkv.w4 and not int4.layers[0].qkv.act8
+    # path vnni: the file's 4-bit matrices stay 4-bit too (W4 x A8 measured ahead of W8 there);
+    # with "int8" activations the weights are smoothed onto W8 (gemm_a8.c) instead
+    monkeypatch.setattr(kernels, "get_path", lambda: "vnni")
+    vnni = Int8Llama(config, src, weight_dtype="auto")
+    assert all(s == {"gate_up", "down"} for s in vnni.w4_linears)
+    assert vnni.layers[1].down.act8 and not vnni.layers[1].o.act8
+    smoothed = Int8Llama(config, src, weight_dtype="auto", calibration_ids=[1, 2, 3])
+    assert not any(smoothed.w4_linears)
     for path in ("vnni", "amx"):
         monkeypatch.setattr(kernels, "get_path", lambda p=path: p)
-        # W8 layers there, and "auto" activations keep int16 on them
-        w8 = Int8Llama(config, src, weight_dtype="auto")
-        assert not any(w8.w4_linears) and w8.act8_linears == 0
+        if path == "amx":
+            # W8 layers there (the AMX tiles), and "auto" activations keep int16 on them
+            w8 = Int8Llama(config, src, weight_dtype="auto")
+            assert not any(w8.w4_linears) and w8.act8_linears == 0
         # forced 4-bit layers take 8-bit activations there too (gemm_w4a8.c runs on any path)
         for act in ("int8", "auto"):
             a8 = Int8Llama(config, src, weight_dtype="int4", activation_dtype=act)
