@@ -35,7 +35,9 @@ MS = [1, 8, 32, 256]
 # "ours_a8": act8 weights (8-bit activations, each 32 k rotated), timed only where the VNNI kernel
 # runs (paths vnni, amx): elsewhere the portable twin is ~50x slower than int16 and the engine never
 # packs act8 weights there
-IMPLS = ["ours", "ours_int16", "ours_a8", "torch_fp32", "torch_int8_dyn"]
+# "ours_w4a8": a 4-bit weight on 8-bit activations (gemm_w4a8.c), what the layers of a GGUF's
+# 4-bit matrices run by default (o, gate_up, down; not the LM head); from path avx2 up
+IMPLS = ["ours", "ours_int16", "ours_a8", "ours_w4a8", "torch_fp32", "torch_int8_dyn"]
 # --w4: the W4 weight on int16 activations and on 8-bit ones (gemm_w4a8.c), beside W8
 W4_IMPLS = ["ours", "ours_w4", "ours_w4a8"]
 
@@ -82,13 +84,17 @@ def _time(fn: Callable[[], object], window_s: float) -> float:
 def gemm_rows(
     ms: Iterable[int] = MS,
     shapes: Iterable[tuple[str, int, int]] = SHAPES,
-    impls: Iterable[str] = IMPLS,
+    impls: Iterable[str] | None = None,
     ms_per_point: float = 300.0,
     windows: int = 5,
 ) -> list[dict]:
-    """Benchmark every (shape, m, impl); returns [{m, n, k, name, impl, gops, us}]."""
+    """Benchmark every (shape, m, impl); returns [{m, n, k, name, impl, gops, us}]. impls
+    (default IMPLS, less the 8-bit kernels whose path here is the slow portable twin)."""
+    level = kernels.PATHS[kernels.get_path()]
+    if impls is None:
+        impls = [i for i in IMPLS if i != "ours_w4a8" or level >= kernels.PATHS["avx2"]]
     impls = list(impls)
-    if kernels.PATHS[kernels.get_path()] < kernels.PATHS["vnni"]:
+    if level < kernels.PATHS["vnni"]:
         impls = [i for i in impls if i != "ours_a8"]
     rows = []
     for name, n, k in shapes:
@@ -121,12 +127,13 @@ def format_table(rows: list[dict]) -> str:
         {(r["name"], r["n"], r["k"], r["m"]) for r in rows},
         key=lambda x: (SHAPES_ORDER.get(x[0], 99), x[3]),
     )
-    head = f"{'shape':<8} {'n':>6} {'k':>5} {'m':>4} | {'ours':>8} {'int16':>8} {'a8':>8} {'fp32':>8} {'int8dyn':>8} | {'vs int8':>7} {'a8 vs':>7} {'vs fp32':>7} | {'ours us':>8}"
+    head = f"{'shape':<8} {'n':>6} {'k':>5} {'m':>4} | {'ours':>8} {'int16':>8} {'a8':>8} {'w4a8':>8} {'fp32':>8} {'int8dyn':>8} | {'vs int8':>7} {'a8 vs':>7} {'w4a8 vs':>7} {'vs fp32':>7} | {'ours us':>8}"
     lines = [head, "-" * len(head)]
     for name, n, k, m in keys:
         o = by.get((name, m, "ours"))
         e = by.get((name, m, "ours_int16"))
         a = by.get((name, m, "ours_a8"))
+        w4 = by.get((name, m, "ours_w4a8"))
         f = by.get((name, m, "torch_fp32"))
         q = by.get((name, m, "torch_int8_dyn"))
 
@@ -136,9 +143,10 @@ def format_table(rows: list[dict]) -> str:
         rq = f"{o['gops'] / q['gops']:6.2f}x" if o and q else f"{'-':>7}"
         rf = f"{o['gops'] / f['gops']:6.2f}x" if o and f else f"{'-':>7}"
         ra = f"{a['gops'] / q['gops']:6.2f}x" if a and q else f"{'-':>7}"
+        rw = f"{w4['gops'] / q['gops']:6.2f}x" if w4 and q else f"{'-':>7}"
         us = f"{o['us']:8.1f}" if o else f"{'-':>8}"
         lines.append(
-            f"{name:<8} {n:>6} {k:>5} {m:>4} | {g(o)} {g(e)} {g(a)} {g(f)} {g(q)} | {rq} {ra} {rf} | {us}"
+            f"{name:<8} {n:>6} {k:>5} {m:>4} | {g(o)} {g(e)} {g(a)} {g(w4)} {g(f)} {g(q)} | {rq} {ra} {rw} {rf} | {us}"
         )
     return "\n".join(lines)
 

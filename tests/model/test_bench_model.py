@@ -33,6 +33,8 @@ def test_bench_model_json_keys(tmp_path: Path) -> None:
     assert {"ours", "torch_fp32", "torch_int8_dyn"} <= impls
     # the 8-bit kernel where its VNNI code runs (the portable twin is not timed)
     assert ("ours_a8" in impls) == (r["machine"]["kernel_path"] in {"vnni", "amx"})
+    # the 4-bit layers' default kernel (W4 x A8) from path avx2 up
+    assert ("ours_w4a8" in impls) == (r["machine"]["kernel_path"] != "portable")
     assert all(g["gops"] > 0 for g in r["gemm"])
     assert r["machine"]["kernel_path"] in {"portable", "avx2", "vnni", "amx"}
     # weight_dtype "auto": SmolLM2's Q4_1 layers in W4 on every path but amx, the all-W8
