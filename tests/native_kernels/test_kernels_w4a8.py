@@ -21,7 +21,7 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     xp = torch.zeros(m, kp)
     xp[:, :k] = x
     h = xp.view(m, kp // 16, 16)
-    amax = torch.nan_to_num(h.abs(), nan=0.0).amax(-1, keepdim=True)
+    amax = torch.nan_to_num(h.abs(), nan=0.0, posinf=float("inf")).amax(-1, keepdim=True)
     live = amax >= 2.0**-100
     inv = torch.tensor(127.0) / torch.where(live, amax, torch.ones_like(amax))
     q = torch.nan_to_num(torch.round(h * inv), nan=0.0)
@@ -50,6 +50,7 @@ def test_quantise_per_16_matches_the_contract(path):
     x = torch.randn(6, 100, generator=g) * 5
     x[1, 3] = float("nan")  # ignored by its half's max, quantised to 0
     x[2] = 1e-29  # tiny, but above 2^-100 (7.9e-31): still scaled
+    x[2, 50] = float("inf")  # its half: scale inf, every q 0 (inf * 0 is NaN), group sum NaN
     x[3, 32:48] = 1e-31  # a half below 2^-100: zeros, scale 0
     x[4, 40] = 1e4  # an outlier only costs its own half
     x[5, :] = 0.0
@@ -57,7 +58,8 @@ def test_quantise_per_16_matches_the_contract(path):
     got = K.quantize_rows_w4a8(x)
     want = quantize_reference(x)
     for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[2][2, 1]) and int(got[0][2, 48:64].abs().max()) == 0
     assert int(got[0].abs().max()) == 127 and torch.equal(got[0][:, 100:], torch.zeros(6, 28))
 
 
