@@ -59,7 +59,7 @@ from shm_engine.entrypoints.reasoning import (
     ReasoningSplitter,
     prompt_opens_thinking,
 )
-from shm_engine.entrypoints.streaming import SSEResponse, merge_streams, until_disconnect
+from shm_engine.entrypoints.streaming import SSE_DONE, SSEResponse, merge_streams, until_disconnect
 from shm_engine.entrypoints.tags import tags_special
 from shm_engine.entrypoints.tool_calls import (
     ToolCallDelta,
@@ -74,7 +74,6 @@ from shm_engine.sampling_params import LIST_CAPS, SamplingParams
 logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
-_SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -642,6 +641,9 @@ class OpenAIServer:
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
             return _sse_chunk(rid, "text_completion", created, self.model_name, choices, usage)
 
+        # NOTE: the output that finishes the last prompt is written with [DONE] (SSEResponse):
+        # the stream ends there, so holding it back delays nothing
+        tail, unfinished = b"", len(prompts)
         try:
             async for i, p, out in merge_streams(
                 [(i, p, self._run(p)) for i, p in enumerate(prompts)]
@@ -667,19 +669,24 @@ class OpenAIServer:
                         for c in out.outputs
                         if (d := self._completion_delta(i * n, c, p.choices[c.index], hold, params))
                     ]
+                unfinished -= out.finished
                 if choices:
                     usage = None
                     if req.continuous_usage:
                         usage = _chunk_usage(p, None if req.echo_only else out)
-                    yield chunk(choices, usage)
+                    data = chunk(choices, usage)
+                    if unfinished:
+                        yield data
+                    else:
+                        tail = data
             if req.include_usage:
-                yield chunk([], _usage(prompts, generated=not req.echo_only))
+                tail += chunk([], _usage(prompts, generated=not req.echo_only))
         except ClientDisconnected:
             logger.info("%s: the client disconnected; request aborted", rid)
             return
         except Exception as e:
-            yield _sse_error(e)
-        yield _SSE_DONE
+            tail += _sse_error(e)
+        yield tail + SSE_DONE
 
     # ------------------------------------------------------------------ chat
 
@@ -756,6 +763,7 @@ class OpenAIServer:
               "finish_reason": None} for j in range(params.n)],
             _chunk_usage(p, None) if req.continuous_usage else None,
         )  # fmt: skip
+        tail = b""
         try:
             p.choices = [self._chat_choice(p, tools) for _ in range(params.n)]
             async for out in self._run(p):
@@ -768,16 +776,18 @@ class OpenAIServer:
                 data = chunk(choices, usage) if choices else b""
                 if role is not None:
                     data, role = role + data, None  # one write: the role, then the first text
-                if data:
+                if out.finished:
+                    tail = data  # written with [DONE], as in _stream_completions
+                elif data:
                     yield data
             if req.include_usage:
-                yield chunk([], _usage([p]))
+                tail += chunk([], _usage([p]))
         except ClientDisconnected:
             logger.info("%s: the client disconnected; request aborted", p.request_id)
             return
         except Exception as e:
-            yield _sse_error(e)
-        yield _SSE_DONE
+            tail += _sse_error(e)
+        yield tail + SSE_DONE
 
     # ------------------------------------------------------------------ tokenizer endpoints
 

@@ -17,6 +17,9 @@ from shm_engine.entrypoints.openai_errors import APIError, ClientDisconnected
 
 T = TypeVar("T")
 
+# The event that ends an OpenAI-style stream
+SSE_DONE = b"data: [DONE]\n\n"
+
 
 class SSEResponse(Response):
     """An SSE stream whose engine requests are aborted however the response ends.
@@ -54,7 +57,13 @@ class SSEResponse(Response):
             async for chunk in body:
                 if watch.done():
                     break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                # NOTE: the event that ends the stream ends the body in the same write (the
+                # server appends the chunked terminator): each write to the socket wakes the
+                # client, which on a small host takes a core from the engine
+                last = chunk.endswith(SSE_DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    break
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

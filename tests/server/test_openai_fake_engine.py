@@ -488,6 +488,36 @@ def test_a_failed_prompt_cancels_the_other_prompts_consumers(monkeypatch) -> Non
         assert not [q for q in client.portal.call(consumers) if "_collect" in q]
 
 
+@pytest.mark.parametrize("route", ["completions", "chat", "completions x2"])
+def test_a_stream_ends_in_one_write(fake, route) -> None:
+    """Every token event leaves as it comes, except the one that ends the stream: it goes in
+    one write with the usage event and [DONE] (the server ends the chunked body there too), so
+    a stream costs one socket write per engine output and no extra ones at its end."""
+    client, engine = fake
+    engine.script = lambda ids, params: replay(engine.tokenizer, "abcd", None, lp=False)
+    opts = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 10}
+    if route == "chat":
+        url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    else:
+        prompts = ["hi", "ho"] if route == "completions x2" else "hi"
+        url, body = "/v1/completions", {"prompt": prompts}
+    with client.stream("POST", url, json={**body, **opts}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    writes = [b for _, b in engine.sent]
+    *before, last = writes
+    assert events[-1] == "[DONE]" and last.endswith(b"data: [DONE]\n\n")
+    # the last write: the final text event (finish_reason set), the usage event, [DONE]
+    assert last.count(b"data: ") == 3 and b'"finish_reason":"length"' in last
+    assert b'"usage":{"prompt_tokens"' in last and b'"choices":[]' in last
+    # the others: one event each (chat's first: the role with the first text; two prompts:
+    # one's finish comes before the stream's end)
+    counts = [w.count(b"data: ") for w in writes]
+    assert counts[:-1] == [2 if route == "chat" and i == 0 else 1 for i in range(len(before))]
+    assert sum(counts) == len(events)
+    finishes = sum(b'"finish_reason":"length"' in w for w in before)
+    assert finishes == (1 if route == "completions x2" else 0)
+
+
 def test_chat_role_chunk_waits_for_the_first_engine_output(fake) -> None:
     client, engine = fake
     engine.first_output_delay = 0.3
