@@ -29,9 +29,11 @@
  * W4 weights (mins != NULL; w4.c packs them, api.h gives the layout and the contract) run here
  * too (never on AMX tiles): on AVX2 up to 4 rows read the nibbles in the quad-row lane layout
  * (avx2_w4_kernel, avx2_w4_rows3_kernel), from 5 each block is unpacked into the pair rows of
- * the 3-row tiles (avx2_w4_pair_block); the VNNI tiles widen each nibble row into its two quad
- * rows in the loop (vnni_quad_half); the minimums' sum is added before the store (avx2_mins,
- * add_mins, the VNNI tiles' own loop).  W4 weights with act8 take gemm_w4a8.c instead. */
+ * the 3-row tiles (avx2_w4_pair_block); on VNNI the int16 activations are split into byte
+ * planes and meet the nibbles as they lie in vpdpbusd (tile_vnni_w4b), and only the raw group
+ * dots (group_dots) still widen each nibble row into its two quad rows (vnni_quad_half); the
+ * minimums' sum is added before the store (avx2_mins, add_mins, the VNNI kernels' own loops).
+ * W4 weights with act8 take gemm_w4a8.c instead. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -303,6 +305,9 @@ typedef struct {
     const uint16_t *scales;
     const uint16_t *mins; /* W4 weights (w4.c): packed holds nibbles */
     const float *xsum;    /* W4: [m][G] each group's sum of the row's xq (exact) */
+    /* W4 on path vnni: xq's bytes as planes, xq = 256 hi + lo (vnni_w4b_kernel) */
+    const uint8_t *xlo; /* [m][kp] */
+    const int8_t *xhi;  /* [m][kp] */
     float mult;
     const float *bias;
     float *y;          /* float mode */
@@ -314,6 +319,8 @@ typedef struct {
     int16_t *xq_w;
     float *sx_w;
     float *xsum_w;
+    uint8_t *xlo_w;
+    int8_t *xhi_w;
     int64_t rows_per_qtask;
 } gemm_ctx;
 
@@ -953,7 +960,8 @@ INLINE VNNI_FN __m512i vnni_quad_half(const int8_t *w, const int q, const int h,
     return _mm512_cvtepu8_epi16(_mm256_and_si256(u, _mm256_set1_epi8(15)));
 }
 
-/* pf_next: the first row tile of a unit (shmk_vnni_prefetch); w4: W4 nibbles (c->mins) */
+/* pf_next: the first row tile of a unit (shmk_vnni_prefetch); w4: W4 nibbles (c->mins), here
+ * only for the raw group dots (float mode: tile_vnni_w4b) */
 INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
                                 const int nr, const int raw, const int pf_next, const int w4) {
     const int64_t G = c->G, kp = c->kp, gb = w4 ? GBYTES / 2 : GBYTES;
@@ -1077,6 +1085,79 @@ VNNI_TILE(tile_vnni_w8, 0)
 VNNI_TILE(tile_vnni_w4, 1)
 #undef VNNI_TILE
 
+/* --- W4 on int16 activations by vpdpbusd (path vnni, float mode): x = 256 h + l with
+ * l = x & 255 (u8) and h = x >> 8 (s8), so u . x = 256 (u . h) + u . l, and each is one
+ * vpdpbusd on the nibbles as they lie (l u8 x u s8, u u8 x h s8: u in [0, 15] fits either
+ * side), the same exact int32 group dots as vnni_kernel's with no widening to int16 and no
+ * lane-pair adds.  |256 (u . h)| <= 256 x 32 x 15 x 128 < 2^24.  Slabs of up to W4B_MR rows
+ * (two int32 sums each), a block's nibbles from L1 after the first slab, prefetched there.
+ * Zen 4, one thread, cache-hot, against the widening tiles: qkv 1.09-1.12x, gate_up 1.18-1.22x,
+ * o and down 1.04-1.07x at 1, 16 and 256 rows (benchmarks/RESULTS.md, Model). --- */
+#define W4B_MR 8
+_Static_assert(W4B_MR == 8, "SHMK_SLAB_SWITCH takes slabs of up to 8 rows");
+
+/* acc += a . b in fours (vpdpbusd: a u8, b s8), b or a the 4 bytes at p broadcast */
+#define DPB_X_U(acc, p, u) _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(load4(p)), u)
+#define DPB_U_X(acc, u, p) _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(load4(p)))
+
+static inline int32_t load4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+INLINE VNNI_FN void vnni_w4b_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
+                                    const int pf) {
+    const int64_t G = c->G, kp = c->kp;
+    const uint8_t *wb = (const uint8_t *)c->packed + blk * G * (GBYTES / 2);
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 f[W4B_MR];
+    for (int r = 0; r < mr; r++) f[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *w = wb + g * (GBYTES / 2);
+        __m512i lo[W4B_MR], hi[W4B_MR];
+        for (int r = 0; r < mr; r++) lo[r] = hi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) { /* nibble row q: k 4q .. 4q + 3 low, 16 + 4q .. high */
+            if (pf) _mm_prefetch((const char *)w + q * 64 + PF_DIST, _MM_HINT_T0);
+            const __m512i u = _mm512_loadu_si512((const void *)(w + q * 64));
+            const __m512i ul = _mm512_and_si512(u, low);
+            const __m512i uh = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+            for (int r = 0; r < mr; r++) {
+                const int64_t o = (i0 + r) * kp + g * GK + 4 * q;
+                lo[r] = DPB_X_U(lo[r], c->xlo + o, ul);
+                hi[r] = DPB_U_X(hi[r], ul, c->xhi + o);
+                lo[r] = DPB_X_U(lo[r], c->xlo + o + GK / 2, uh);
+                hi[r] = DPB_U_X(hi[r], uh, c->xhi + o + GK / 2);
+            }
+        }
+        const __m512 s = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(c->scales + (blk * G + g) * NB)));
+        for (int r = 0; r < mr; r++) {
+            const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]);
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, f[r]);
+        }
+    }
+    const float *xs = c->xsum + i0 * G; /* the minimums' terms after the groups, in order */
+    for (int64_t g = 0; g < G; g++) {
+        const __m512 m = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(c->mins + (blk * G + g) * NB)));
+        for (int r = 0; r < mr; r++) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G + g]), m, f[r]);
+    }
+    for (int r = 0; r < mr; r++) vnni_store(c, blk, i0 + r, f[r]);
+}
+
+/* unit u = blocks 2u, 2u+1, rows i0 .. i1 - 1 in slabs of W4B_MR */
+VNNI_FN __attribute__((noinline)) static void tile_vnni_w4b(const gemm_ctx *c, int64_t u,
+                                                            int64_t i0, int64_t i1) {
+    for (int64_t b = 2 * u; b < 2 * u + 2 && b < c->nb; b++)
+        for (int64_t i = i0; i < i1; i += W4B_MR) {
+#define W4B_SLAB(mr) vnni_w4b_kernel(c, b, i, mr, i == i0)
+            SHMK_SLAB_SWITCH(i1 - i, W4B_SLAB)
+#undef W4B_SLAB
+        }
+}
+
 static void gemm_task(void *vctx, int64_t task, int tid) {
     (void)tid;
     const gemm_ctx *c = vctx;
@@ -1087,7 +1168,7 @@ static void gemm_task(void *vctx, int64_t task, int tid) {
     if (i1 > c->m) i1 = c->m;
     for (int64_t u = u0; u < u1; u++) {
         if (c->path == SHMK_VNNI) {
-            (c->mins ? tile_vnni_w4 : tile_vnni_w8)(c, u, i0, i1);
+            (c->xlo ? tile_vnni_w4b : c->mins ? tile_vnni_w4 : tile_vnni_w8)(c, u, i0, i1);
             continue;
         }
         for (int64_t b = 2 * u; b < 2 * u + 2 && b < c->nb; b++) {
@@ -1112,6 +1193,11 @@ static void quant_task(void *vctx, int64_t task, int tid) {
             int32_t s = 0;
             for (int t = 0; t < GK; t++) s += q[g * GK + t];
             c->xsum_w[i * c->G + g] = (float)s;
+        }
+        if (!c->xlo_w) continue;
+        for (int64_t t = 0; t < c->kp; t++) { /* two's complement: q = 256 (q >> 8) + (q & 255) */
+            c->xlo_w[i * c->kp + t] = (uint8_t)(q[t] & 255);
+            c->xhi_w[i * c->kp + t] = (int8_t)(q[t] >> 8);
         }
     }
 }
@@ -1143,6 +1229,11 @@ static void prepare(gemm_ctx *c, const float *x, const int16_t *xq_given) {
     c->xq = c->xq_w;
     c->sx = c->sx_w;
     if (c->mins) c->xsum = c->xsum_w = shmk_scratch(9, (size_t)(m * c->G) * sizeof(float));
+    if (c->mins && c->path == SHMK_VNNI) {
+        uint8_t *planes = shmk_scratch(4, (size_t)(2 * m * kp));
+        c->xlo = c->xlo_w = planes;
+        c->xhi = c->xhi_w = (int8_t *)planes + m * kp;
+    }
     if (m <= 8) {
         c->rows_per_qtask = m;
         quant_task(c, 0, 0);

@@ -360,6 +360,7 @@ static void task_avx2(const w4a8_ctx *c, int64_t b0, int64_t b1, int64_t i0, int
  * NOTE: tested bit for bit against the portable twin under SIMDe's emulation of the intrinsics
  * (test_kernels_vnni_emulated.py); not yet timed on a VNNI CPU. --- */
 #define W4A8_VNNI_MR 8
+_Static_assert(W4A8_VNNI_MR == 8, "SHMK_SLAB_SWITCH takes slabs of up to 8 rows");
 
 INLINE SHMK_VNNI_FN void vnni_kernel(const w4a8_ctx *c, int64_t blk, int64_t i0, const int mr,
                                      const int pf) {
@@ -410,17 +411,9 @@ SHMK_VNNI_FN static void task_vnni(const w4a8_ctx *c, int64_t b0, int64_t b1, in
                                    int64_t i1) {
     for (int64_t b = b0; b < b1; b++)
         for (int64_t i = i0; i < i1; i += W4A8_VNNI_MR) {
-            const int pf = i == i0;
-            switch (i1 - i < W4A8_VNNI_MR ? i1 - i : W4A8_VNNI_MR) {
-            case 1: vnni_kernel(c, b, i, 1, pf); break;
-            case 2: vnni_kernel(c, b, i, 2, pf); break;
-            case 3: vnni_kernel(c, b, i, 3, pf); break;
-            case 4: vnni_kernel(c, b, i, 4, pf); break;
-            case 5: vnni_kernel(c, b, i, 5, pf); break;
-            case 6: vnni_kernel(c, b, i, 6, pf); break;
-            case 7: vnni_kernel(c, b, i, 7, pf); break;
-            default: vnni_kernel(c, b, i, 8, pf); break;
-            }
+#define W4A8_SLAB(mr) vnni_kernel(c, b, i, mr, i == i0)
+            SHMK_SLAB_SWITCH(i1 - i, W4A8_SLAB)
+#undef W4A8_SLAB
         }
 }
 

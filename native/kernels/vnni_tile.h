@@ -10,6 +10,20 @@
 #define SHMK_VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define SHMK_PF_DIST 1024 /* software prefetch distance in a block stream (bytes) */
 
+/* KERNEL(mr) for a slab of rows rows (1 .. 8, more taking 8): the row count a compile-time
+ * constant in each call, so a slab's sums stay in registers (gemm_w4a8.c, gemm16.c's W4) */
+#define SHMK_SLAB_SWITCH(rows, KERNEL)   \
+    switch ((rows) < 8 ? (rows) : 8) {   \
+    case 1: KERNEL(1); break;            \
+    case 2: KERNEL(2); break;            \
+    case 3: KERNEL(3); break;            \
+    case 4: KERNEL(4); break;            \
+    case 5: KERNEL(5); break;            \
+    case 6: KERNEL(6); break;            \
+    case 7: KERNEL(7); break;            \
+    default: KERNEL(8); break;           \
+    }
+
 /* Prefetch for row q (64 bytes) of group g of a unit starting at wb0 (G groups a block of gb
  * bytes each: GBYTES, or GBYTES / 2 for W4 nibbles, nr blocks).
  * Tiles of few rows (mr <= 2) stream the weights from memory: look SHMK_PF_DIST ahead in both
