@@ -31,9 +31,9 @@
  * (avx2_w4_kernel, avx2_w4_rows3_kernel), from 5 each block is unpacked into the pair rows of
  * the 3-row tiles (avx2_w4_pair_block); on VNNI the int16 activations are split into byte
  * planes and meet the nibbles as they lie in vpdpbusd (tile_vnni_w4b), and only the raw group
- * dots (group_dots) still widen each nibble row into its two quad rows (vnni_quad_half); the
- * minimums' sum is added before the store (avx2_mins, add_mins, the VNNI kernels' own loops).
- * W4 weights with act8 take gemm_w4a8.c instead. */
+ * dots (group_dots: tile_vnni_w4_dots) widen each nibble row into its quad rows
+ * (vnni_quad_half); the minimums' sum is added before the store (avx2_mins, add_mins, the VNNI
+ * kernels' own loops).  W4 weights with act8 take gemm_w4a8.c instead. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -960,8 +960,8 @@ INLINE VNNI_FN __m512i vnni_quad_half(const int8_t *w, const int q, const int h,
     return _mm512_cvtepu8_epi16(_mm256_and_si256(u, _mm256_set1_epi8(15)));
 }
 
-/* pf_next: the first row tile of a unit (shmk_vnni_prefetch); w4: W4 nibbles (c->mins), here
- * only for the raw group dots (float mode: tile_vnni_w4b) */
+/* pf_next: the first row tile of a unit (shmk_vnni_prefetch); w4: W4 nibbles (c->mins), for
+ * the raw group dots only (tile_vnni_w4_dots; float mode: tile_vnni_w4b) */
 INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, const int mr,
                                 const int nr, const int raw, const int pf_next, const int w4) {
     const int64_t G = c->G, kp = c->kp, gb = w4 ? GBYTES / 2 : GBYTES;
@@ -1082,8 +1082,17 @@ INLINE VNNI_FN void vnni_kernel(const gemm_ctx *c, int64_t blk, int64_t i0, cons
         }                                                                                  \
     }
 VNNI_TILE(tile_vnni_w8, 0)
-VNNI_TILE(tile_vnni_w4, 1)
 #undef VNNI_TILE
+
+/* W4's raw group dots (group_dots): float mode takes tile_vnni_w4b */
+VNNI_FN __attribute__((noinline)) static void tile_vnni_w4_dots(const gemm_ctx *c, int64_t u,
+                                                                int64_t i0, int64_t i1) {
+    const int64_t blk = 2 * u;
+    if (blk + 1 < c->nb)
+        VNNI_ROWS(2, 1, 1);
+    else
+        VNNI_ROWS(1, 1, 1);
+}
 
 /* --- W4 on int16 activations by vpdpbusd (path vnni, float mode): x = 256 h + l with
  * l = x & 255 (u8) and h = x >> 8 (s8), so u . x = 256 (u . h) + u . l, and each is one
@@ -1168,7 +1177,7 @@ static void gemm_task(void *vctx, int64_t task, int tid) {
     if (i1 > c->m) i1 = c->m;
     for (int64_t u = u0; u < u1; u++) {
         if (c->path == SHMK_VNNI) {
-            (c->xlo ? tile_vnni_w4b : c->mins ? tile_vnni_w4 : tile_vnni_w8)(c, u, i0, i1);
+            (c->xlo ? tile_vnni_w4b : c->mins ? tile_vnni_w4_dots : tile_vnni_w8)(c, u, i0, i1);
             continue;
         }
         for (int64_t b = 2 * u; b < 2 * u + 2 && b < c->nb; b++) {

@@ -1,6 +1,6 @@
-/* Pieces shared by the two AVX512-VNNI GEMM tiles: gemm16.c's int16 one and gemm_a8.c's 8-bit
- * one.  Both walk a unit (blocks blk, blk+1 of the packed layout) a quad row (64 bytes) at a
- * time and leave 16 fp32 results per row and block. */
+/* Pieces shared by the AVX512-VNNI GEMM tiles: gemm16.c's int16 ones, gemm_a8.c's 8-bit one
+ * and gemm_w4a8.c's.  They walk a unit (blocks blk, blk+1 of the packed layout) a quad or
+ * nibble row (64 bytes) at a time and leave 16 fp32 results per row and block. */
 #ifndef SHMK_VNNI_TILE_H
 #define SHMK_VNNI_TILE_H
 #include <immintrin.h>
@@ -10,7 +10,7 @@
 #define SHMK_VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define SHMK_PF_DIST 1024 /* software prefetch distance in a block stream (bytes) */
 
-/* KERNEL(mr) for a slab of rows rows (1 .. 8, more taking 8): the row count a compile-time
+/* KERNEL(mr) for a slab of `rows` rows (1 .. 8; more take 8): the row count a compile-time
  * constant in each call, so a slab's sums stay in registers (gemm_w4a8.c, gemm16.c's W4) */
 #define SHMK_SLAB_SWITCH(rows, KERNEL)   \
     switch ((rows) < 8 ? (rows) : 8) {   \
